@@ -1,0 +1,234 @@
+"""The graph IR: frozen dataclasses describing what a model computes.
+
+A :class:`Graph` is a topologically ordered tuple of :class:`Node` s.  Each node is one tensor operation with a
+canonical op name (see :mod:`ir.ops`), the names of the values it reads (other nodes, or parameter/buffer FQNs), the
+metadata of the tensors it produces, the module it came from, and its forward/backward FLOPs and bytes.  No weight is
+ever stored: parameters are described by :class:`ParamInfo` (name, shape, dtype).
+
+Graphs are values.  Passes build new graphs with :func:`dataclasses.replace`; :func:`ir.verify` checks the invariants.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Literal
+
+__all__ = ["TensorMeta", "ParamInfo", "Node", "LayerGroup", "Graph", "DTYPE_BYTES"]
+
+#: bytes per element of the dtypes the IR knows (``str(torch.dtype)`` without the ``torch.`` prefix)
+DTYPE_BYTES: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+    "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16,
+    "float8_e4m3fn": 1, "float8_e5m2": 1,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """Shape and dtype of one tensor value (no data)."""
+
+    shape: tuple[int, ...]
+    """Concrete sizes; symbolic sizes are specialised to the example inputs' sizes."""
+    dtype: str
+    """dtype name without the ``torch.`` prefix, e.g. ``"float32"``."""
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_BYTES.get(self.dtype, 4)
+
+
+@dataclass(frozen=True, slots=True)
+class ParamInfo:
+    """A parameter or buffer of the model, by its canonical (first, de-duplicated) fully qualified name."""
+
+    name: str
+    meta: TensorMeta
+    kind: Literal["param", "buffer"] = "param"
+    aliases: tuple[str, ...] = ()
+    """Other FQNs that refer to the same tensor (tied weights such as ``lm_head.weight``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """One tensor operation."""
+
+    name: str
+    """Unique name inside the graph (from the front end, e.g. ``linear_3``)."""
+    op: str
+    """Canonical op name from :mod:`ir.ops` (``linear``, ``sdpa``, ``layer_norm``, ``add``, ``view``...)."""
+    kind: str
+    """Cost class of the op: matmul, attention, conv, embedding, norm, softmax, loss, pointwise, reduction,
+    copy, gather, creation, view, input, unknown."""
+    inputs: tuple[str, ...]
+    """Values read, in argument order: node names or parameter/buffer FQNs."""
+    outputs: tuple[TensorMeta, ...]
+    """Tensors produced (most ops produce one; ``split`` produces several)."""
+    module_path: str = ""
+    """FQN of the innermost module the op was called from, e.g. ``blocks.3.attn`` ("" for the root)."""
+    module_type: str = ""
+    """Class name of that module."""
+    params: tuple[str, ...] = ()
+    """The subset of ``inputs`` that are parameters or buffers."""
+    flops_fwd: float = 0.0
+    flops_bwd: float = 0.0
+    bytes_read: float = 0.0
+    bytes_written: float = 0.0
+    attrs: tuple[tuple[str, Any], ...] = ()
+    """Non-tensor arguments that matter to sharding and cost (dims, causal flag...), as sorted (key, value) pairs."""
+    target: str = ""
+    """The front end's original target (``aten.linear.default``, ``torch.nn.Linear``...), for messages."""
+
+    @property
+    def out(self) -> TensorMeta:
+        """The first (usually only) output."""
+        return self.outputs[0]
+
+    def attr(self, key: str, default: Any = None) -> Any:
+        for k, v in self.attrs:
+            if k == key:
+                return v
+        return default
+
+    @property
+    def activation_inputs(self) -> tuple[str, ...]:
+        return tuple(i for i in self.inputs if i not in self.params)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerGroup:
+    """A contiguous run of nodes forming one layer of the model's layer sequence.
+
+    Repeated blocks (``blocks.0`` .. ``blocks.N``) each form one group with the same ``structural_hash``; the nodes
+    before the first block and after the last one form the ``prefix`` and ``suffix`` groups.
+    """
+
+    index: int
+    start: int
+    """Index of the first node of the group in ``Graph.nodes``."""
+    end: int
+    """One past the last node."""
+    module_path: str
+    module_type: str
+    role: Literal["prefix", "block", "suffix", "whole"]
+    structural_hash: str
+    """Hash of the group's op structure, shapes and parameter shapes, independent of names: equal hashes mean the
+    planner may solve the group once and reuse the answer."""
+    params: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Graph:
+    """A traced model."""
+
+    nodes: tuple[Node, ...]
+    params: tuple[ParamInfo, ...]
+    inputs: tuple[str, ...]
+    """Names of the input nodes (kind ``input``), in argument order."""
+    outputs: tuple[str, ...]
+    layers: tuple[LayerGroup, ...] = ()
+    unknown_ops: tuple[str, ...] = ()
+    """Targets the op registry did not know; they were costed by bytes only."""
+    frontend: Literal["fx", "export"] = "fx"
+    model_name: str = ""
+
+    @cached_property
+    def _index(self) -> dict[str, int]:
+        return {n.name: i for i, n in enumerate(self.nodes)}
+
+    # ---- lookups -----------------------------------------------------------------------------------------------
+    def node(self, name: str) -> Node:
+        return self.nodes[self._index[name]]
+
+    def index(self, name: str) -> int:
+        return self._index[name]
+
+    def has_node(self, name: str) -> bool:
+        return name in self._index
+
+    @cached_property
+    def param_map(self) -> dict[str, ParamInfo]:
+        return {p.name: p for p in self.params}
+
+    @cached_property
+    def users(self) -> dict[str, tuple[str, ...]]:
+        """For every node and parameter, the nodes that read it."""
+        out: dict[str, list[str]] = {n.name: [] for n in self.nodes}
+        for p in self.params:
+            out[p.name] = []
+        for n in self.nodes:
+            for i in n.inputs:
+                out.setdefault(i, []).append(n.name)
+        return {k: tuple(v) for k, v in out.items()}
+
+    # ---- summaries ---------------------------------------------------------------------------------------------
+    @property
+    def num_params(self) -> int:
+        """Number of trainable parameter elements (buffers excluded, tied weights counted once)."""
+        return sum(p.meta.numel for p in self.params if p.kind == "param")
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(p.meta.nbytes for p in self.params if p.kind == "param")
+
+    def flops(self, kinds: tuple[str, ...] | None = None, *, backward: bool = True) -> float:
+        """Training FLOPs of one step (forward + backward, no recomputation), optionally restricted to op kinds."""
+        tot = 0.0
+        for n in self.nodes:
+            if kinds is None or n.kind in kinds:
+                tot += n.flops_fwd + (n.flops_bwd if backward else 0.0)
+        return tot
+
+    def matmul_flops(self, *, backward: bool = True) -> float:
+        """Matrix-multiply FLOPs (linear/matmul, attention, convolution), the convention of Megatron's formulas."""
+        return self.flops(("matmul", "attention", "conv"), backward=backward)
+
+    def blocks(self) -> tuple[LayerGroup, ...]:
+        return tuple(g for g in self.layers if g.role == "block")
+
+    def group_nodes(self, group: LayerGroup) -> tuple[Node, ...]:
+        return self.nodes[group.start:group.end]
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """A stable hash of the computation (ops, dataflow, shapes, dtypes, parameter shapes).
+
+        Plans record it so a plan made for one model is not applied to another."""
+        h = hashlib.sha256()
+        for p in self.params:
+            h.update(json.dumps([p.name, list(p.meta.shape), p.meta.dtype, p.kind]).encode())
+        for n in self.nodes:
+            h.update(json.dumps([n.name, n.op, list(n.inputs),
+                                 [[list(o.shape), o.dtype] for o in n.outputs]]).encode())
+        return h.hexdigest()[:16]
+
+    def summary(self) -> dict[str, Any]:
+        """Counts for display: nodes, params, FLOPs, layer groups, unknown ops."""
+        kinds: dict[str, int] = {}
+        for n in self.nodes:
+            kinds[n.kind] = kinds.get(n.kind, 0) + 1
+        blocks = self.blocks()
+        return {
+            "model": self.model_name,
+            "frontend": self.frontend,
+            "nodes": len(self.nodes),
+            "params": self.num_params,
+            "param_bytes": self.param_bytes,
+            "train_flops": self.flops(),
+            "matmul_train_flops": self.matmul_flops(),
+            "layer_groups": len(self.layers),
+            "repeated_blocks": len(blocks),
+            "distinct_blocks": len({b.structural_hash for b in blocks}),
+            "op_kinds": dict(sorted(kinds.items())),
+            "unknown_ops": list(self.unknown_ops),
+            "fingerprint": self.fingerprint,
+        }

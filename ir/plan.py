@@ -1,0 +1,292 @@
+"""The Plan: what the planner decided and what codegen executes, as plain frozen dataclasses with a YAML form.
+
+Placements use DTensor's notation on the ``tp`` mesh axis: ``R`` (replicated), ``S(d)`` (sharded on tensor dim d),
+``P`` (partial sums awaiting a reduction).  Parameter placements are given per parameter *pattern*: ``*`` stands for
+the index of a repeated block (``blocks.*.attn.qkv.weight``), because identical blocks share one solution.
+
+Mesh ranks are laid out with ``tp`` innermost, then ``dp``, then ``pp`` (rank = (pp_i * dp + dp_i) * tp + tp_i), so a
+``tp`` group is consecutive ranks, i.e. inside a node whenever ``tp`` divides the devices per node.
+
+YAML files carry ``schema_version``; :func:`load_plan` validates every field and names the first bad one.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from ir.errors import SchemaError
+from ir.serialize import from_data, to_data
+
+__all__ = [
+    "PLAN_SCHEMA_VERSION", "Schedule", "Recompute", "MeshPlan", "ParamSharding", "OpSharding", "MemoryBreakdown",
+    "TimeBreakdown", "StagePlan", "SolverReport", "Plan", "dump_plan", "load_plan", "plan_to_yaml",
+    "plan_from_yaml", "PLACEMENT_RE",
+]
+
+PLAN_SCHEMA_VERSION = 1
+Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+Recompute = Literal["none", "selective", "full"]
+PLACEMENT_RE = re.compile(r"^(R|P|S\(\d+\))$")
+
+
+def _check_placement(p: str, what: str) -> None:
+    if not PLACEMENT_RE.match(p):
+        raise ValueError(f"{what}: placement must be R, P or S(<dim>), got {p!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MeshPlan:
+    """The device mesh: ``pp * dp * tp`` devices, ``tp`` innermost."""
+
+    pp: int = 1
+    """Pipeline-parallel degree (number of stage groups)."""
+    dp: int = 1
+    """Data-parallel degree (replicas, or FSDP shards under ZeRO)."""
+    tp: int = 1
+    """Tensor-parallel (intra-op) degree."""
+
+    def __post_init__(self) -> None:
+        for k in ("pp", "dp", "tp"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"mesh.{k} must be >= 1, got {getattr(self, k)}")
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def rank(self, pp: int, dp: int, tp: int) -> int:
+        return (pp * self.dp + dp) * self.tp + tp
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(pp, dp, tp) coordinates of a global rank."""
+        return rank // (self.dp * self.tp), (rank // self.tp) % self.dp, rank % self.tp
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParamSharding:
+    """Placement of the parameters matching ``pattern`` on the tp axis."""
+
+    pattern: str
+    """Parameter FQN; ``*`` matches one block index (``blocks.*.mlp.fc1.weight``)."""
+    placement: str
+    """``R`` or ``S(d)``."""
+
+    def __post_init__(self) -> None:
+        _check_placement(self.placement, self.pattern)
+        if self.placement == "P":
+            raise ValueError(f"{self.pattern}: a parameter cannot be partial (P)")
+
+    def matches(self, fqn: str) -> bool:
+        rx = "^" + re.escape(self.pattern).replace(r"\*", r"\d+") + "$"
+        return re.match(rx, fqn) is not None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OpSharding:
+    """The strategy chosen for one op (for repeated blocks: the op in the first block of its kind)."""
+
+    node: str
+    """Node name in the graph."""
+    op: str
+    strategy: str
+    """Human-readable strategy name (``replicate``, ``column``, ``row``, ``seq``, ``S(0)``...)."""
+    inputs: tuple[str, ...] = ()
+    """Placement each input is consumed in."""
+    output: str = "R"
+    """Placement of the output as produced (``P`` before a reduction)."""
+    compute_s: float = 0.0
+    """Predicted forward+backward compute time of this op per micro-batch on one device."""
+    comm_s: float = 0.0
+    """Predicted resharding/reduction time charged to this op's inputs per micro-batch."""
+    comm: str = ""
+    """Collectives inserted, e.g. ``all_reduce`` or ``all_gather+reduce_scatter``."""
+
+    def __post_init__(self) -> None:
+        for p in (*self.inputs, self.output):
+            _check_placement(p, self.node)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryBreakdown:
+    """Predicted peak memory of one device, in bytes."""
+
+    params: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    other: float = 0.0
+    """Communication buffers, fragmentation reserve, framework overhead."""
+    capacity: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.other
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TimeBreakdown:
+    """Predicted time of one training iteration (one global batch), in seconds."""
+
+    compute: float = 0.0
+    exposed_comm: float = 0.0
+    """Communication not hidden behind compute (tp collectives, dp gradient sync tail, p2p)."""
+    bubble: float = 0.0
+    """Pipeline idle time."""
+    optimizer: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.exposed_comm + self.bubble + self.optimizer
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StagePlan:
+    """One pipeline stage: a contiguous range of layer groups."""
+
+    index: int
+    layer_start: int
+    """First layer group (index into ``Graph.layers``)."""
+    layer_end: int
+    """One past the last layer group."""
+    modules: tuple[str, ...] = ()
+    """Module paths of the stage's blocks (the prefix/suffix groups are named ``<prefix>``/``<suffix>``)."""
+    recompute: Recompute = "none"
+    fwd_s: float = 0.0
+    """Forward time of one micro-batch on this stage (including tp communication)."""
+    bwd_s: float = 0.0
+    memory: MemoryBreakdown = field(default_factory=MemoryBreakdown)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.layer_start < self.layer_end:
+            raise ValueError(f"stage {self.index}: empty or negative layer range [{self.layer_start}, "
+                             f"{self.layer_end})")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SolverReport:
+    """How the search went."""
+
+    status: Literal["optimal", "feasible", "timeout", "infeasible", "given"] = "optimal"
+    objective_s: float = 0.0
+    best_bound_s: float = 0.0
+    gap: float = 0.0
+    """Relative optimality gap of the intra-op solve (0 when proven optimal)."""
+    wall_s: float = 0.0
+    candidates: int = 0
+    """Mesh/micro-batch/schedule candidates evaluated."""
+    seed: int = 0
+    workers: int = 1
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    """A complete hybrid-parallel training plan."""
+
+    schema_version: int = PLAN_SCHEMA_VERSION
+    model: str
+    graph_fingerprint: str
+    num_params: int
+    cluster: str
+    """Name of the cluster profile the plan was costed on."""
+    nodes: int
+    devices_per_node: int
+    global_batch: int
+    micro_batch: int
+    """Samples per micro-batch per data-parallel replica."""
+    num_microbatches: int
+    mesh: MeshPlan
+    schedule: Schedule = "1f1b"
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (interleaved 1F1B); 1 otherwise."""
+    zero: int = 0
+    """ZeRO/FSDP level on the dp axis: 0 replicate, 1 optimizer states, 2 + gradients, 3 + parameters."""
+    dtype: str = "float32"
+    """Training compute dtype (mixed precision keeps fp32 master weights when this is half precision)."""
+    stages: tuple[StagePlan, ...]
+    param_shardings: tuple[ParamSharding, ...] = ()
+    op_shardings: tuple[OpSharding, ...] = ()
+    time: TimeBreakdown = field(default_factory=TimeBreakdown)
+    samples_per_s: float = 0.0
+    tflops_per_device: float = 0.0
+    mfu: float = 0.0
+    fused_kernels: bool = True
+    """Use generated Triton kernels for fused groups where the device supports them."""
+    pins: tuple[str, ...] = ()
+    """User constraints the plan was made under (``tp=8``...)."""
+    solver: SolverReport = field(default_factory=SolverReport)
+    notes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.schema_version != PLAN_SCHEMA_VERSION:
+            raise ValueError(f"schema_version {self.schema_version} is not supported (expected "
+                             f"{PLAN_SCHEMA_VERSION})")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"zero must be 0, 1, 2 or 3, got {self.zero}")
+        if self.mesh.world_size != self.nodes * self.devices_per_node:
+            raise ValueError(f"mesh pp*dp*tp = {self.mesh.world_size} does not equal nodes*devices_per_node = "
+                             f"{self.nodes * self.devices_per_node}")
+        if self.micro_batch * self.num_microbatches * self.mesh.dp != self.global_batch:
+            raise ValueError(f"micro_batch*num_microbatches*dp = {self.micro_batch}*{self.num_microbatches}*"
+                             f"{self.mesh.dp} does not equal global_batch {self.global_batch}")
+        if len(self.stages) != self.mesh.pp * self.virtual_stages:
+            raise ValueError(f"{len(self.stages)} stages for pp={self.mesh.pp} x virtual_stages="
+                             f"{self.virtual_stages}")
+        for i, s in enumerate(self.stages):
+            if s.index != i:
+                raise ValueError(f"stages.{i}.index is {s.index}")
+            if i and s.layer_start != self.stages[i - 1].layer_end:
+                raise ValueError(f"stages.{i} starts at layer {s.layer_start}, not where stage {i - 1} ends")
+        if self.schedule != "interleaved_1f1b" and self.virtual_stages != 1:
+            raise ValueError(f"virtual_stages={self.virtual_stages} needs schedule interleaved_1f1b")
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.world_size
+
+    def placement_of(self, fqn: str) -> str:
+        """tp placement of parameter ``fqn`` (``R`` when no pattern matches)."""
+        for ps in self.param_shardings:
+            if ps.matches(fqn):
+                return ps.placement
+        return "R"
+
+    def check_compatible(self, *, fingerprint: str | None = None, world_size: int | None = None) -> None:
+        """Raise SchemaError if the plan was made for another model or another number of devices."""
+        if fingerprint is not None and fingerprint != self.graph_fingerprint:
+            raise SchemaError("graph_fingerprint", f"the plan was made for another model ({self.model}, "
+                              f"fingerprint {self.graph_fingerprint}); this model's is {fingerprint}. Re-plan with "
+                              "`autopar plan`", doc="plan")
+        if world_size is not None and world_size != self.world_size:
+            raise SchemaError("mesh", f"the plan needs {self.world_size} devices but {world_size} are running; "
+                              "re-plan with `autopar replan PLAN --nodes N`", doc="plan")
+
+
+def plan_to_yaml(plan: Plan) -> str:
+    return yaml.safe_dump(to_data(plan), sort_keys=False, width=120)
+
+
+def plan_from_yaml(text: str) -> Plan:
+    try:
+        data: Any = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise SchemaError("", f"not valid YAML ({str(e).splitlines()[0]})", doc="plan") from None
+    if isinstance(data, dict) and "schema_version" in data and data["schema_version"] != PLAN_SCHEMA_VERSION:
+        raise SchemaError("schema_version", f"version {data['schema_version']!r} is not supported (this autopar "
+                          f"reads version {PLAN_SCHEMA_VERSION})", doc="plan")
+    return from_data(Plan, data, doc="plan")
+
+
+def dump_plan(plan: Plan, path: str | Path) -> None:
+    Path(path).write_text(plan_to_yaml(plan))
+
+
+def load_plan(path: str | Path) -> Plan:
+    p = Path(path)
+    if not p.is_file():
+        raise SchemaError("", f"no such file: {p}", doc="plan")
+    return plan_from_yaml(p.read_text())
