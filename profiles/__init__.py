@@ -1,0 +1,52 @@
+"""autopar profiles: what the hardware costs.
+
+- :mod:`profiles.schema`: the cluster profile dataclasses, YAML load/save and validation.
+- :mod:`profiles.builtin`: built-in profiles (DGX A100 80GB, DGX H100, HGX H200) and ``with_nodes``.
+- :mod:`profiles.cost`: the cost model (op, collective and p2p times).
+- :mod:`profiles.fit`: alpha-beta least-squares fitting.
+- :mod:`profiles.profiler`: ``autopar profile`` (measures this machine).
+"""
+
+from profiles.builtin import builtin_names, load_builtin, resolve_profile, with_nodes
+from profiles.cost import CostModel, GroupSpan, collective_factor, group_span
+from profiles.schema import (
+    COLLECTIVES,
+    SCHEMA_VERSION,
+    AlphaBeta,
+    ClusterProfile,
+    DeviceProfile,
+    EfficiencyPoint,
+    LinkProfile,
+    ProfileError,
+    dump_profile,
+    load_profile,
+    loads_profile,
+    profile_from_dict,
+    profile_to_dict,
+    save_profile,
+)
+
+__all__ = [
+    "COLLECTIVES",
+    "SCHEMA_VERSION",
+    "AlphaBeta",
+    "ClusterProfile",
+    "CostModel",
+    "DeviceProfile",
+    "EfficiencyPoint",
+    "GroupSpan",
+    "LinkProfile",
+    "ProfileError",
+    "builtin_names",
+    "collective_factor",
+    "dump_profile",
+    "group_span",
+    "load_builtin",
+    "load_profile",
+    "loads_profile",
+    "profile_from_dict",
+    "profile_to_dict",
+    "resolve_profile",
+    "save_profile",
+    "with_nodes",
+]

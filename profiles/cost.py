@@ -1,0 +1,288 @@
+"""The cost model: op, collective and point-to-point times from a :class:`~profiles.schema.ClusterProfile`.
+
+Pure functions over profile data: no I/O, no global state; every time is non-decreasing in the message or problem size.
+
+**Ops.** ``time = max(flops / rate, bytes / memory_bandwidth) + launch_overhead``. For matmul-like kinds
+(``matmul``, ``attention``, ``conv``) ``rate = peak_flops[dtype] * efficiency(dtype, flops)`` from the device's
+efficiency table; for the other kinds ``rate = vector_flops`` (non-tensor-core peak). ``view`` ops cost 0.
+
+**Collectives** follow the NCCL-tests bus-bandwidth convention documented in :mod:`profiles.schema`.
+A group is described by a :class:`GroupSpan`: ``d`` devices in each of ``m`` nodes (``g = d * m`` ranks).
+
+- ``m == 1``: ``t = alpha_intra(d) + f(g) * S / busbw_intra(d)``.
+- ``m > 1`` (hierarchical, *slowest level dominates*): NCCL pipelines the intra- and inter-node parts of a
+  multi-node ring/tree, so bandwidth terms overlap while latencies add:
+  ``t = alpha_intra(d) [if d > 1] + alpha_inter(m) + f(g) * S / min(busbw_intra(d), busbw_inter_eff(m, d))``.
+  The inter-node table holds bus bandwidths measured on groups using all ``devices_per_node`` devices of each node
+  (rail-optimized: one NIC per device). A group with only ``d`` devices per node drives ``d`` NICs, so for
+  all_reduce / all_gather / reduce_scatter (whose per-node off-node traffic does not grow with ``d``)
+  ``busbw_inter_eff = busbw_inter(m) * d / devices_per_node``. all_to_all and p2p numbers are per device already and
+  are not scaled.
+
+  ``f(g)`` is ``2(g-1)/g`` for all_reduce, ``(g-1)/g`` for all_gather / reduce_scatter / all_to_all, 1 for p2p.
+
+**Group-size interpolation** of a table: linear in group size between points; below the smallest point alpha is
+scaled by ``(g-1)/(g0-1)``; above the largest point alpha grows as ``log2(g)/log2(g_max)`` (NCCL switches to
+tree-like algorithms whose latency grows logarithmically at scale); busbw is clamped to the nearest point.
+
+**Single-level profiles** (e.g. one measured machine, no ``inter_node`` level): asking for a group spanning more
+than one node raises :class:`ValueError` with an actionable message (we do not silently pretend the intra-node link
+spans nodes: that would make multi-node plans look far too cheap).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Final
+
+from profiles.schema import COLLECTIVES, AlphaBeta, ClusterProfile, EfficiencyPoint, LinkProfile
+
+__all__ = [
+    "OP_KINDS",
+    "MATMUL_KINDS",
+    "RAIL_SCALED",
+    "GroupSpan",
+    "group_span",
+    "collective_factor",
+    "interp_alpha_beta",
+    "interp_efficiency",
+    "CostModel",
+]
+
+OP_KINDS: Final = (
+    "matmul", "attention", "pointwise", "reduction", "norm", "softmax", "embedding", "conv", "view", "other",
+)
+MATMUL_KINDS: Final = frozenset({"matmul", "attention", "conv"})
+RAIL_SCALED: Final = frozenset({"all_reduce", "all_gather", "reduce_scatter"})
+_DTYPE_ALIASES: Final = {
+    "fp32": "float32", "float": "float32", "torch.float32": "float32",
+    "fp16": "float16", "half": "float16", "torch.float16": "float16",
+    "bf16": "bfloat16", "torch.bfloat16": "bfloat16",
+}
+_ITEMSIZE: Final = {"float32": 4, "tf32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class GroupSpan:
+    """How a communication group maps onto the topology."""
+
+    devices_per_node: int
+    """Group members in each node (d >= 1)."""
+    nodes: int
+    """Nodes the group spans (m >= 1)."""
+
+    def __post_init__(self) -> None:
+        if self.devices_per_node < 1 or self.nodes < 1:
+            raise ValueError(f"GroupSpan needs devices_per_node >= 1 and nodes >= 1, got {self}")
+
+    @property
+    def size(self) -> int:
+        """Total ranks in the group."""
+        return self.devices_per_node * self.nodes
+
+
+def group_span(group_size: int, stride: int, devices_per_node: int) -> GroupSpan:
+    """Span of a mesh axis of ``group_size`` ranks spaced ``stride`` apart in global rank order.
+
+    Assumes the group starts at a node boundary (true for the usual row-major meshes with power-of-two sizes):
+    with ``stride >= devices_per_node`` every member sits on its own node; otherwise ``devices_per_node // stride``
+    members share a node.
+    """
+    if group_size < 1 or stride < 1 or devices_per_node < 1:
+        raise ValueError(
+            f"group_span needs positive integers, got group_size={group_size}, stride={stride}, "
+            f"devices_per_node={devices_per_node}"
+        )
+    if group_size == 1:
+        return GroupSpan(devices_per_node=1, nodes=1)
+    if stride >= devices_per_node:
+        return GroupSpan(devices_per_node=1, nodes=group_size)
+    per_node = min(group_size, max(1, math.ceil(devices_per_node / stride)))
+    return GroupSpan(devices_per_node=per_node, nodes=math.ceil(group_size / per_node))
+
+
+def collective_factor(kind: str, group_size: int) -> float:
+    """Bus-bandwidth factor ``f(g)``: bytes each rank moves per byte of message, NCCL-tests convention."""
+    if kind not in COLLECTIVES:
+        raise ValueError(f"unknown collective {kind!r}; expected one of {', '.join(COLLECTIVES)}")
+    if kind == "p2p":
+        return 1.0
+    g = group_size
+    return (2.0 if kind == "all_reduce" else 1.0) * (g - 1) / g
+
+
+def interp_alpha_beta(points: tuple[AlphaBeta, ...], group_size: int) -> tuple[float, float]:
+    """(alpha_s, busbw) at ``group_size`` from a table sorted by group size (see module docstring)."""
+    if not points:
+        raise ValueError("empty alpha-beta table")
+    g = group_size
+    first, last = points[0], points[-1]
+    if g <= first.group_size:
+        scale = 1.0 if first.group_size <= 1 else max(0.0, (g - 1) / (first.group_size - 1))
+        return first.alpha_s * scale, first.busbw
+    if g >= last.group_size:
+        scale = 1.0 if last.group_size <= 1 else math.log2(g) / math.log2(last.group_size)
+        return last.alpha_s * scale, last.busbw
+    for a, b in zip(points, points[1:]):
+        if a.group_size <= g <= b.group_size:
+            w = (g - a.group_size) / (b.group_size - a.group_size)
+            return a.alpha_s + w * (b.alpha_s - a.alpha_s), a.busbw + w * (b.busbw - a.busbw)
+    raise AssertionError("unreachable: table not sorted")
+
+
+def interp_efficiency(points: tuple[EfficiencyPoint, ...], flops: float) -> float:
+    """Efficiency at ``flops``: power law between points (linear in log-log), clamped at the ends."""
+    if flops <= points[0].flops:
+        return points[0].efficiency
+    if flops >= points[-1].flops:
+        return points[-1].efficiency
+    x = math.log(flops)
+    for a, b in zip(points, points[1:]):
+        if a.flops <= flops <= b.flops:
+            w = (x - math.log(a.flops)) / (math.log(b.flops) - math.log(a.flops))
+            return math.exp(math.log(a.efficiency) + w * (math.log(b.efficiency) - math.log(a.efficiency)))
+    raise AssertionError("unreachable: table not sorted")
+
+
+class CostModel:
+    """Times in seconds for ops, collectives and p2p transfers on ``profile``.
+
+    ``allow_tf32``: float32 matmul-like ops use the 'tf32' peak when the profile has one.
+    """
+
+    __slots__ = ("profile", "allow_tf32")
+
+    def __init__(self, profile: ClusterProfile, *, allow_tf32: bool = False) -> None:
+        self.profile = profile
+        self.allow_tf32 = allow_tf32
+
+    # ---- compute -------------------------------------------------------------------------------------------
+
+    def _dtype(self, dtype: str) -> str:
+        dt = _DTYPE_ALIASES.get(str(dtype), str(dtype))
+        if dt not in self.profile.device.peak_flops:
+            have = ", ".join(sorted(self.profile.device.peak_flops))
+            raise ValueError(f"profile {self.profile.name!r} has no peak FLOP/s for dtype {dtype!r} (has: {have})")
+        return dt
+
+    def efficiency(self, dtype: str, flops: float) -> float:
+        """Matmul efficiency for a problem of ``flops`` FLOPs in ``dtype``."""
+        dt = self._dtype(dtype)
+        tables = self.profile.device.matmul_efficiency
+        table = tables.get(dt) or tables.get("default") or next(iter(tables.values()))
+        return interp_efficiency(table, max(flops, 1.0))
+
+    def compute_rate(self, dtype: str, kind: str, flops: float) -> float:
+        """Achieved FLOP/s of an op of ``kind``."""
+        dev = self.profile.device
+        dt = self._dtype(dtype)
+        if kind in MATMUL_KINDS:
+            peak_key = "tf32" if (dt == "float32" and self.allow_tf32 and "tf32" in dev.peak_flops) else dt
+            return dev.peak_flops[peak_key] * self.efficiency(dt, flops)
+        if dev.vector_flops is not None:
+            return dev.vector_flops
+        return dev.peak_flops.get("float32", dev.peak_flops[dt])
+
+    def op_time(self, flops: float, bytes: float, dtype: str, kind: str = "other") -> float:  # noqa: A002
+        """``max(flops / rate, bytes / memory_bandwidth) + launch_overhead``; 0 for views."""
+        if kind not in OP_KINDS:
+            raise ValueError(f"unknown op kind {kind!r}; expected one of {', '.join(OP_KINDS)}")
+        if flops < 0 or bytes < 0:
+            raise ValueError(f"op_time needs non-negative flops and bytes, got flops={flops}, bytes={bytes}")
+        if kind == "view":
+            return 0.0
+        dev = self.profile.device
+        compute = flops / self.compute_rate(dtype, kind, flops) if flops > 0 else 0.0
+        memory = bytes / dev.memory_bandwidth
+        return max(compute, memory) + dev.launch_overhead_s
+
+    def matmul_time(
+        self,
+        flops: float | None = None,
+        bytes: float | None = None,  # noqa: A002
+        dtype: str = "float32",
+        m: int | None = None,
+        n: int | None = None,
+        k: int | None = None,
+        batch: int = 1,
+    ) -> float:
+        """Time of a (batched) ``[m,k] @ [k,n]`` matmul; flops/bytes default from the shape."""
+        if flops is None or bytes is None:
+            if m is None or n is None or k is None:
+                raise ValueError("matmul_time needs flops and bytes, or all of m, n, k")
+            item = _ITEMSIZE.get(_DTYPE_ALIASES.get(dtype, dtype), 4)
+            flops = 2.0 * m * n * k * batch if flops is None else flops
+            bytes = float(batch * (m * k + k * n + m * n) * item) if bytes is None else bytes  # noqa: A001
+        return self.op_time(flops, bytes, dtype, "matmul")
+
+    # ---- communication -------------------------------------------------------------------------------------
+
+    def span(self, group_size: int, stride: int = 1) -> GroupSpan:
+        """:func:`group_span` with this profile's devices per node."""
+        return group_span(group_size, stride, self.profile.devices_per_node)
+
+    def _level(self, level: str) -> LinkProfile:
+        link = self.profile.links.get(level)
+        if link is None:
+            if level == "inter_node":
+                raise ValueError(
+                    f"profile {self.profile.name!r} has no inter_node link level (a single-node profile, e.g. one "
+                    "measured by `autopar profile`); use a built-in multi-node profile or add an inter_node section"
+                )
+            raise ValueError(f"profile {self.profile.name!r} has no {level} link level")
+        return link
+
+    def collective_time(
+        self, kind: str, nbytes: float, group_size: int | None = None, span: GroupSpan | None = None
+    ) -> float:
+        """Time of collective ``kind`` on ``nbytes`` (see the module docstring for the size convention).
+
+        Give ``group_size`` (contiguous ranks) or ``span`` (or both, consistently).
+        """
+        if kind not in COLLECTIVES:
+            raise ValueError(f"unknown collective {kind!r}; expected one of {', '.join(COLLECTIVES)}")
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be non-negative, got {nbytes}")
+        if span is None:
+            if group_size is None:
+                raise ValueError("collective_time needs group_size or span")
+            span = self.span(group_size)
+        elif group_size is not None and group_size != span.size:
+            raise ValueError(f"group_size {group_size} does not match span {span} (size {span.size})")
+        g, d, m = span.size, span.devices_per_node, span.nodes
+        if g == 1:
+            return 0.0
+        if kind == "p2p":
+            return self.p2p_time(nbytes, intra_node=m == 1)
+        prof = self.profile
+        if d > prof.devices_per_node or m > prof.nodes:
+            raise ValueError(
+                f"group {span} does not fit profile {prof.name!r} ({prof.nodes} nodes x {prof.devices_per_node} "
+                "devices); use profiles.builtin.with_nodes() to size the cluster"
+            )
+        alpha, bws = 0.0, []
+        if d > 1:
+            a, bw = interp_alpha_beta(self._level("intra_node").table(kind), d)
+            alpha += a
+            bws.append(bw)
+        if m > 1:
+            a, bw = interp_alpha_beta(self._level("inter_node").table(kind), m)
+            if kind in RAIL_SCALED:
+                bw *= d / prof.devices_per_node
+            alpha += a
+            bws.append(bw)
+        return alpha + collective_factor(kind, g) * nbytes / min(bws)
+
+    def bus_bandwidth(self, kind: str, nbytes: float, span: GroupSpan) -> float:
+        """Predicted NCCL-tests bus bandwidth (bytes/s) of ``kind`` on ``nbytes`` over ``span``."""
+        t = self.collective_time(kind, nbytes, span=span)
+        return collective_factor(kind, span.size) * nbytes / t
+
+    def p2p_time(self, nbytes: float, intra_node: bool = True) -> float:
+        """Time to send ``nbytes`` from one rank to another (pipeline stage boundary)."""
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be non-negative, got {nbytes}")
+        link = self._level("intra_node" if intra_node else "inter_node")
+        alpha, bw = interp_alpha_beta(link.p2p, 2)
+        return alpha + nbytes / bw

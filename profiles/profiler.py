@@ -1,0 +1,443 @@
+"""``autopar profile``: measure this machine and write a cluster profile the planner accepts.
+
+Runs ``ranks`` local processes (``torch.multiprocessing.spawn`` on a free localhost port; gloo on CPU, NCCL with one
+rank per GPU on CUDA) and measures, all ranks concurrently (so shared memory bandwidth and cores are contended as in
+a real run):
+
+- matmul time over square sizes and dtypes (float32, bfloat16; float16 on GPU), with the threads a rank would use
+  (CPU: ``cpu_count // ranks``). The peak of a dtype is its best achieved FLOP/s; efficiency = achieved / peak, with
+  the measured launch overhead removed first (the cost model adds it back);
+- pointwise memory bandwidth (``out = a + b`` on large tensors, 3 tensors of traffic);
+- launch overhead (median time of a one-element op);
+- collectives over message sizes (1 KiB .. 64 MiB by powers of 4; ``quick``: 1 KiB .. 1 MiB) on groups of
+  2, 4, .. ``ranks`` ranks: ``all_reduce``, ``all_gather_single`` / ``reduce_scatter_single`` (the
+  ``*_into_tensor`` / ``*_tensor`` forms on older torch) and
+  ``all_to_all_single`` (all natively supported by gloo in torch >= 2.x, so nothing is emulated), and p2p as
+  ping-pong ``send``/``recv`` between ranks 0 and 1 (one-way time = round trip / 2).
+  CPU ranks use one compute thread during this phase. Each point: warm-up, then the median over repeats of the
+  slowest rank's time. Alpha-beta are fitted per collective and group size (:func:`profiles.fit.fit_alpha_beta`,
+  relative least squares, non-negative) and stored as NCCL-tests bus bandwidth.
+
+The result has ``nodes = 1`` and ``devices_per_node = ranks`` and no ``inter_node`` level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import socket
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from profiles.cost import collective_factor
+from profiles.fit import busbw_from_beta, fit_alpha_beta
+from profiles.schema import SCHEMA_VERSION, ClusterProfile, profile_from_dict, save_profile
+
+__all__ = [
+    "ProfileOptions",
+    "default_message_sizes",
+    "measure_profile",
+    "run_profile_command",
+    "time_collective",
+    "time_matmul",
+    "main",
+]
+
+log = logging.getLogger(__name__)
+KIB = 1024
+_COLL = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ProfileOptions:
+    """What ``measure_profile`` measures."""
+
+    ranks: int = 2
+    """Local ranks (processes); on CUDA at most the number of GPUs."""
+    quick: bool = False
+    """Fewer sizes and repeats (seconds instead of minutes)."""
+    backend: str | None = None
+    """'gloo' or 'nccl'; None: NCCL if CUDA is available, else gloo."""
+    matmul_sizes: tuple[int, ...] | None = None
+    """Square matmul sizes; None: a default for the device and mode."""
+    message_sizes: tuple[int, ...] | None = None
+    """Collective message sizes in bytes; None: :func:`default_message_sizes`."""
+    repeats: int | None = None
+    """Timed repeats per point (median taken); None: 3 quick, 7 full."""
+    warmup: int = 2
+    """Untimed warm-up calls per point."""
+    threads_per_rank: int | None = None
+    """CPU compute threads per rank; None: cpu_count // ranks."""
+    progress: bool = True
+    """Show a rich progress bar on rank 0."""
+    name: str | None = None
+    """Profile name; None: derived from the host."""
+
+
+def default_message_sizes(quick: bool) -> tuple[int, ...]:
+    """1 KiB .. 64 MiB by powers of 4 (quick: 1 KiB .. 1 MiB)."""
+    top = 1 * KIB * KIB if quick else 64 * KIB * KIB
+    out, s = [], KIB
+    while s <= top:
+        out.append(s)
+        s *= 4
+    return tuple(out)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _sync_fn(device: torch.device) -> Callable[[], None]:
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
+def time_matmul(n: int, dtype: torch.dtype, device: torch.device, repeats: int, budget_s: float = 0.05) -> float:
+    """Median seconds of one ``[n,n] @ [n,n]`` matmul (calls batched to at least ``budget_s``)."""
+    sync = _sync_fn(device)
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    torch.matmul(a, b)
+    sync()
+    t0 = time.perf_counter()
+    torch.matmul(a, b)
+    sync()
+    single = max(time.perf_counter() - t0, 1e-7)
+    inner = max(1, min(1000, int(budget_s / single)))
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            torch.matmul(a, b)
+        sync()
+        samples.append((time.perf_counter() - t0) / inner)
+    return statistics.median(samples)
+
+
+def _time_calls(fn: Callable[[], Any], sync: Callable[[], None], repeats: int, inner: int) -> float:
+    fn()
+    sync()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        sync()
+        samples.append((time.perf_counter() - t0) / inner)
+    return statistics.median(samples)
+
+
+def time_collective(
+    kind: str, nbytes: int, group: Any, group_size: int, device: torch.device, repeats: int, warmup: int
+) -> float:
+    """Median over repeats of the slowest rank's time for one collective of ``nbytes`` (schema size convention).
+
+    Must be called by every rank of ``group``; p2p (``kind='p2p'``) uses ranks 0 and 1 of the world.
+    """
+    sync = _sync_fn(device)
+    g = group_size
+    numel = max(g, (nbytes // 4) // g * g)
+    if kind == "all_reduce":
+        x = torch.ones(numel, device=device)
+        fn: Callable[[], Any] = lambda: dist.all_reduce(x, group=group)  # noqa: E731
+    elif kind == "all_gather":
+        out, inp = torch.empty(numel, device=device), torch.ones(numel // g, device=device)
+        ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        fn = lambda: ag(out, inp, group=group)  # noqa: E731
+    elif kind == "reduce_scatter":
+        inp, out = torch.ones(numel, device=device), torch.empty(numel // g, device=device)
+        rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        fn = lambda: rs(out, inp, group=group)  # noqa: E731
+    elif kind == "all_to_all":
+        inp, out = torch.ones(numel, device=device), torch.empty(numel, device=device)
+        fn = lambda: dist.all_to_all_single(out, inp, group=group)  # noqa: E731
+    elif kind == "p2p":
+        buf = torch.ones(max(1, nbytes // 4), device=device)
+        rank = dist.get_rank()
+
+        def fn() -> None:  # ping-pong; the caller halves the time
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            elif rank == 1:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+    else:
+        raise ValueError(f"unknown collective {kind!r}")
+    for _ in range(warmup):
+        fn()
+    sync()
+    samples = []
+    for _ in range(repeats):
+        if kind != "p2p":
+            dist.barrier(group=group)
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        samples.append(time.perf_counter() - t0)
+    ts = torch.tensor(samples, dtype=torch.float64, device=device)
+    if kind != "p2p":
+        dist.all_reduce(ts, op=dist.ReduceOp.MAX, group=group)
+    med = statistics.median(ts.tolist())
+    return med / 2 if kind == "p2p" else med
+
+
+def _progress(enabled: bool, total: int) -> Any:
+    if not enabled:
+        return None
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    p = Progress(TextColumn("[bold]autopar profile[/] {task.description}"), BarColumn(), TimeElapsedColumn())
+    p.start()
+    p.add_task("starting", total=total)
+    return p
+
+
+def _step(p: Any, desc: str) -> None:
+    log.debug("profiling: %s", desc)
+    if p is not None:
+        p.update(p.task_ids[0], advance=1, description=desc)
+
+
+def _matmul_sizes(opts: ProfileOptions, cuda: bool) -> tuple[int, ...]:
+    if opts.matmul_sizes:
+        return opts.matmul_sizes
+    if cuda:
+        return (256, 512, 1024, 2048) if opts.quick else (256, 512, 1024, 2048, 4096, 8192)
+    return (64, 128, 256) if opts.quick else (128, 256, 512, 1024, 2048)
+
+
+def _measure_device(opts: ProfileOptions, device: torch.device, rank: int, prog: Any) -> dict[str, Any]:
+    cuda = device.type == "cuda"
+    quick, reps = opts.quick, opts.repeats or (3 if opts.quick else 7)
+    sync = _sync_fn(device)
+    # launch overhead: a one-element op
+    x, y = torch.ones(1, device=device), torch.ones(1, device=device)
+    out = torch.empty(1, device=device)
+    launch = _time_calls(lambda: torch.add(x, y, out=out), sync, reps, 200)
+    _step(prog, "launch overhead")
+    # pointwise bandwidth: out = a + b
+    numel = (4 if quick else 16) * 1024 * 1024 * (16 if cuda else 1)
+    a, b, c = (torch.ones(numel, device=device) for _ in range(3))
+    t_add = _time_calls(lambda: torch.add(a, b, out=c), sync, reps, 3)
+    del a, b, c
+    mem_bw = 3 * numel * 4 / t_add
+    _step(prog, "memory bandwidth")
+    dtypes = ["float32", "bfloat16"] + (["float16"] if cuda else [])
+    sizes = _matmul_sizes(opts, cuda)
+    limit = 0.2 if quick else 1.0
+    peak: dict[str, float] = {}
+    eff: dict[str, list[dict[str, float]]] = {}
+    for dt in dtypes:
+        rates: list[tuple[float, float]] = []
+        for n in sizes:
+            if rates and rates[-1][0] / rates[-1][1] > limit:
+                log.info("skipping %s matmul >= %d: too slow on this device", dt, n)
+                _step(prog, f"matmul {dt} {n} (skipped)")
+                continue
+            t = time_matmul(n, getattr(torch, dt), device, reps, budget_s=0.01 if quick else 0.05)
+            flops = 2.0 * n**3
+            rates.append((flops, flops / max(t - launch, 0.5 * t)))
+            _step(prog, f"matmul {dt} {n}")
+        peak[dt] = max(r for _, r in rates)
+        pts: list[dict[str, float]] = []
+        for f, r in rates:
+            e = min(1.0, r / peak[dt])
+            if pts:  # keep implied time f/e non-decreasing (timing noise can break it)
+                e = min(e, pts[-1]["efficiency"] * f / pts[-1]["flops"])
+            pts.append({"flops": f, "efficiency": e})
+        eff[dt] = pts
+    if cuda:
+        name = torch.cuda.get_device_name(device)
+        mem = int(torch.cuda.get_device_properties(device).total_memory)
+    else:
+        name = f"{platform.processor() or platform.machine()} CPU ({torch.get_num_threads()} threads/rank)"
+        mem = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) // max(1, opts.ranks)
+    src = f"measured by autopar profile on {platform.node()} ({time.strftime('%Y-%m-%d')})"
+    return {
+        "name": name,
+        "memory_bytes": mem,
+        "peak_flops": peak,
+        "matmul_efficiency": eff,
+        "memory_bandwidth": mem_bw,
+        "launch_overhead_s": launch,
+        "vector_flops": peak["float32"],
+        "sources": {
+            k: src
+            for k in ("name", "memory_bytes", "peak_flops", "matmul_efficiency", "memory_bandwidth",
+                      "launch_overhead_s", "vector_flops")
+        },
+    }
+
+
+def _group_sizes(ranks: int) -> list[int]:
+    gs, g = [], 2
+    while g < ranks:
+        gs.append(g)
+        g *= 2
+    return gs + [ranks]
+
+
+def _measure_links(opts: ProfileOptions, device: torch.device, rank: int, prog: Any) -> dict[str, Any]:
+    sizes = opts.message_sizes or default_message_sizes(opts.quick)
+    reps = opts.repeats or (3 if opts.quick else 7)
+    backend = dist.get_backend()
+    src = f"measured by autopar profile ({backend}, {len(sizes)} sizes {sizes[0]}..{sizes[-1]} B) on {platform.node()}"
+    tables: dict[str, list[dict[str, Any]]] = {k: [] for k in (*_COLL, "p2p")}
+    raw: dict[str, dict[int, list[float]]] = {k: {} for k in (*_COLL, "p2p")}
+    for g in _group_sizes(opts.ranks):
+        group = dist.new_group(list(range(g))) if g < opts.ranks else None
+        for kind in _COLL:
+            ts = []
+            for s in sizes:
+                if rank < g:
+                    r = reps if s <= 4 * KIB * KIB else max(3, reps // 2)
+                    ts.append(time_collective(kind, s, group, g, device, r, opts.warmup))
+                _step(prog, f"{kind} g={g} {s // KIB} KiB")
+            raw[kind][g] = ts
+            if rank == 0:
+                alpha, beta = fit_alpha_beta(sizes, ts)
+                busbw = busbw_from_beta(beta, collective_factor(kind, g))
+                tables[kind].append({"group_size": g, "alpha_s": alpha, "busbw": busbw, "source": src})
+        dist.barrier()
+    ts = []
+    for s in sizes:
+        if rank < 2:
+            ts.append(time_collective("p2p", s, None, 2, device, reps, opts.warmup))
+        _step(prog, f"p2p {s // KIB} KiB")
+    raw["p2p"][2] = ts
+    if rank == 0:
+        alpha, beta = fit_alpha_beta(sizes, ts)
+        tables["p2p"].append({"group_size": 2, "alpha_s": alpha, "busbw": 1.0 / beta, "source": src})
+    return {"tables": tables, "raw": raw, "sizes": list(sizes)}
+
+
+def _worker(rank: int, opts: ProfileOptions, port: int, backend: str, result_path: str) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    cuda = backend == "nccl"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    threads = opts.threads_per_rank or max(1, (os.cpu_count() or 1) // opts.ranks)
+    torch.set_num_threads(threads)
+    dist.init_process_group(backend, rank=rank, world_size=opts.ranks)
+    try:
+        n_mm = len(_matmul_sizes(opts, cuda)) * (3 if cuda else 2)
+        n_coll = len(opts.message_sizes or default_message_sizes(opts.quick))
+        total = 2 + n_mm + (len(_group_sizes(opts.ranks)) * 4 + 1) * n_coll * (opts.ranks > 1)
+        prog = _progress(opts.progress and rank == 0, total)
+        try:
+            dev = _measure_device(opts, device, rank, prog)
+            dist.barrier()
+            torch.set_num_threads(1)
+            links = _measure_links(opts, device, rank, prog) if opts.ranks > 1 else None
+        finally:
+            if prog is not None:
+                prog.stop()
+        if rank == 0:
+            Path(result_path).write_text(json.dumps({"device": dev, "links": links, "threads": threads}))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_profile(ranks: int = 2, *, quick: bool = False, **options: Any) -> ClusterProfile:
+    """Measure this machine with ``ranks`` local processes; returns a validated single-node profile.
+
+    ``options`` are further :class:`ProfileOptions` fields (``backend``, ``matmul_sizes``, ``message_sizes``,
+    ``repeats``, ``warmup``, ``threads_per_rank``, ``progress``, ``name``).
+    """
+    return _measure(ProfileOptions(ranks=ranks, quick=quick, **options))[0]
+
+
+def _measure(opts: ProfileOptions) -> tuple[ClusterProfile, dict[str, Any]]:
+    if opts.ranks < 1:
+        raise ValueError(f"ranks must be >= 1, got {opts.ranks}")
+    backend = opts.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl" and opts.ranks > torch.cuda.device_count():
+        raise ValueError(f"--ranks {opts.ranks} exceeds the {torch.cuda.device_count()} visible GPUs (NCCL: one per GPU)")
+    with tempfile.TemporaryDirectory(prefix="autopar-profile-") as tmp:
+        result = os.path.join(tmp, "result.json")
+        log.info("profiling with %d %s rank(s)%s", opts.ranks, backend, " (quick)" if opts.quick else "")
+        mp.spawn(_worker, args=(opts, _free_port(), backend, result), nprocs=opts.ranks, join=True)
+        data = json.loads(Path(result).read_text())
+    links: dict[str, Any] = {}
+    if data["links"] is not None:
+        links["intra_node"] = data["links"]["tables"]
+    name = opts.name or f"{platform.node() or 'local'}-{opts.ranks}x{'gpu' if backend == 'nccl' else 'cpu'}"
+    prof = profile_from_dict(
+        {
+            "schema_version": SCHEMA_VERSION,
+            "name": name,
+            "source": f"measured by autopar profile ({backend}, {opts.ranks} ranks, "
+            f"{data['threads']} compute threads/rank{', quick' if opts.quick else ''})",
+            "nodes": 1,
+            "devices_per_node": opts.ranks,
+            "device": data["device"],
+            "links": links,
+        }
+    )
+    return prof, data
+
+
+def run_profile_command(
+    output: str | Path, ranks: int | None = None, quick: bool = False, *, progress: bool = True, **options: Any
+) -> ClusterProfile:
+    """What ``autopar profile -o FILE [--ranks N] [--quick]`` does: measure, validate, write ``output``.
+
+    ``ranks`` defaults to the number of GPUs on CUDA, else 2.
+    """
+    if ranks is None:
+        ranks = torch.cuda.device_count() if torch.cuda.is_available() else 2
+    prof = measure_profile(ranks, quick=quick, progress=progress, **options)
+    save_profile(prof, output)
+    log.info("wrote %s", output)
+    return prof
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """Arguments of ``autopar profile`` (adds to ``parser`` if given, e.g. a CLI subparser)."""
+    p = parser or argparse.ArgumentParser(prog="autopar profile", description="Measure this machine's profile.")
+    p.add_argument("-o", "--output", required=True, help="profile YAML to write")
+    p.add_argument("--ranks", type=int, default=None, help="local ranks (default: #GPUs, or 2 on CPU)")
+    p.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default=None, help="default: nccl on CUDA, else gloo")
+    p.add_argument("--name", default=None, help="profile name")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m profiles.profiler -o FILE``."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    prof = run_profile_command(
+        args.output, args.ranks, args.quick, progress=not args.no_progress, backend=args.backend, name=args.name
+    )
+    log.info(
+        "%s: %d rank(s), matmul peak %s, memory %.1f GB/s",
+        prof.name,
+        prof.devices_per_node,
+        {k: f"{v / 1e9:.1f} GFLOP/s" for k, v in prof.device.peak_flops.items()},
+        prof.device.memory_bandwidth / 1e9,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,423 @@
+"""Cluster profile schema: frozen dataclasses, YAML load/save, validation.
+
+A :class:`ClusterProfile` describes ``nodes x devices_per_node`` identical devices (:class:`DeviceProfile`) and the
+links between them per topology level (:class:`LinkProfile`, ``"intra_node"`` and optionally ``"inter_node"``).
+
+Bandwidth convention (NCCL-tests "bus bandwidth", ``busbw``, bytes/s). With ``n`` ranks in the group and ``S`` bytes:
+
+- all_reduce:      ``t = alpha + 2 (n-1)/n * S / busbw``   (S = per-rank buffer size)
+- all_gather:      ``t = alpha + (n-1)/n * S / busbw``     (S = full, gathered output size)
+- reduce_scatter:  ``t = alpha + (n-1)/n * S / busbw``     (S = full input size, before scattering)
+- all_to_all:      ``t = alpha + (n-1)/n * S / busbw``     (S = per-rank buffer size)
+- p2p:             ``t = alpha + S / busbw``               (S = bytes sent; ``busbw`` is the pair bandwidth)
+
+Each collective of a link level is a small table of :class:`AlphaBeta` points keyed by group size. For the
+``intra_node`` level ``group_size`` counts devices; for the ``inter_node`` level it counts *nodes*, and the numbers are
+those measured on groups that use every device of each node (all NICs); see :mod:`profiles.cost` for how groups
+using fewer devices per node are costed.
+
+Matmul efficiency is a table of :class:`EfficiencyPoint` (problem FLOPs -> achieved fraction of peak) per dtype
+(key ``"default"`` for all dtypes without their own table), interpolated as a power law between points (linear in
+log-log space), clamped at the ends. Validation requires the implied time ``flops / efficiency`` to be
+non-decreasing so that predicted times are monotone in problem size.
+
+YAML files are validated on load; any problem raises :class:`ProfileError` naming the field path, e.g.
+``links.inter_node.all_reduce[0].alpha_s: expected a positive number, got -1``. Unknown keys are rejected.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import yaml
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "COLLECTIVES",
+    "LEVELS",
+    "DTYPES",
+    "ProfileError",
+    "AlphaBeta",
+    "EfficiencyPoint",
+    "DeviceProfile",
+    "LinkProfile",
+    "ClusterProfile",
+    "profile_from_dict",
+    "profile_to_dict",
+    "load_profile",
+    "loads_profile",
+    "dump_profile",
+    "save_profile",
+]
+
+SCHEMA_VERSION = 1
+COLLECTIVES: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+LEVELS: tuple[str, ...] = ("intra_node", "inter_node")
+DTYPES: tuple[str, ...] = ("float32", "tf32", "float16", "bfloat16")
+Level = Literal["intra_node", "inter_node"]
+
+
+class ProfileError(ValueError):
+    """A cluster profile is invalid; the message starts with the offending field path."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class AlphaBeta:
+    """One alpha-beta point of a collective at one group size."""
+
+    group_size: int
+    """Devices in the group (intra_node level) or nodes spanned (inter_node level); >= 2 (p2p: 2)."""
+    alpha_s: float
+    """Latency term in seconds (time of a zero-byte operation)."""
+    busbw: float
+    """Bus bandwidth in bytes/s, NCCL-tests convention (see module docstring)."""
+    source: str = ""
+    """Where the numbers come from (datasheet, public measurement, or 'measured by autopar profile')."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class EfficiencyPoint:
+    """Achieved fraction of peak FLOP/s for a matmul of a given size."""
+
+    flops: float
+    """Problem size in FLOPs (2*m*n*k, times batch)."""
+    efficiency: float
+    """Achieved FLOP/s divided by the dtype's peak, in (0, 1]."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class DeviceProfile:
+    """One accelerator (or one CPU rank) of the cluster."""
+
+    name: str
+    """Device model name, e.g. 'NVIDIA A100-SXM4-80GB'."""
+    memory_bytes: int
+    """Memory capacity usable by one rank, in bytes."""
+    peak_flops: dict[str, float]
+    """Peak dense FLOP/s per dtype ('float32', 'tf32', 'float16', 'bfloat16')."""
+    matmul_efficiency: dict[str, tuple[EfficiencyPoint, ...]]
+    """Per dtype (or 'default') table of matmul efficiency against problem FLOPs, sorted by flops."""
+    memory_bandwidth: float
+    """Achievable memory bandwidth for pointwise kernels, bytes/s."""
+    launch_overhead_s: float
+    """Fixed per-kernel (per-op) overhead in seconds."""
+    vector_flops: float | None = None
+    """Peak FLOP/s for non-matmul (vector) ops; None means peak_flops['float32']."""
+    sources: dict[str, str] = field(default_factory=dict)
+    """Field name -> where its number comes from."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class LinkProfile:
+    """Alpha-beta tables of every collective on one topology level."""
+
+    level: Level
+    """'intra_node' (e.g. NVLink/NVSwitch, shared memory) or 'inter_node' (e.g. InfiniBand)."""
+    all_reduce: tuple[AlphaBeta, ...]
+    """All-reduce points sorted by group size."""
+    all_gather: tuple[AlphaBeta, ...]
+    """All-gather points sorted by group size."""
+    reduce_scatter: tuple[AlphaBeta, ...]
+    """Reduce-scatter points sorted by group size."""
+    all_to_all: tuple[AlphaBeta, ...]
+    """All-to-all points sorted by group size."""
+    p2p: tuple[AlphaBeta, ...]
+    """Point-to-point (send/recv between two ranks) points, group size 2."""
+
+    def table(self, kind: str) -> tuple[AlphaBeta, ...]:
+        """The alpha-beta table of collective ``kind``."""
+        if kind not in COLLECTIVES:
+            raise ValueError(f"unknown collective {kind!r}; expected one of {', '.join(COLLECTIVES)}")
+        return getattr(self, kind)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ClusterProfile:
+    """A homogeneous cluster: ``nodes`` x ``devices_per_node`` devices and their links."""
+
+    schema_version: int
+    """Version of this schema the file was written for (currently 1)."""
+    name: str
+    """Profile name, e.g. 'dgx-a100-80gb'."""
+    source: str
+    """Where the profile as a whole comes from."""
+    nodes: int
+    """Number of nodes."""
+    devices_per_node: int
+    """Devices (ranks) per node."""
+    device: DeviceProfile
+    """The device every rank runs on."""
+    links: dict[str, LinkProfile]
+    """Level ('intra_node', 'inter_node') -> link profile. 'inter_node' is required when nodes > 1."""
+
+    @property
+    def world_size(self) -> int:
+        """Total number of devices."""
+        return self.nodes * self.devices_per_node
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Validation helpers
+
+
+def _fail(path: str, msg: str) -> ProfileError:
+    return ProfileError(f"{path}: {msg}")
+
+
+def _mapping(v: Any, path: str) -> Mapping[str, Any]:
+    if not isinstance(v, Mapping):
+        raise _fail(path, f"expected a mapping, got {type(v).__name__}")
+    return v
+
+
+def _keys(d: Mapping[str, Any], path: str, required: set[str], optional: set[str] = frozenset()) -> None:
+    for k in d:
+        if k not in required and k not in optional:
+            allowed = ", ".join(sorted(required | set(optional)))
+            raise _fail(_join(path, str(k)), f"unknown key (allowed: {allowed})")
+    for k in sorted(required):
+        if k not in d:
+            raise _fail(_join(path, k), "missing required field")
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _num(v: Any, path: str, *, positive: bool = True, allow_zero: bool = False) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
+        raise _fail(path, f"expected a {'positive ' if positive else ''}number, got {v!r}")
+    x = float(v)
+    if positive and (x < 0 or (x == 0 and not allow_zero)):
+        kind = "non-negative" if allow_zero else "positive"
+        raise _fail(path, f"expected a {kind} number, got {v!r}")
+    return x
+
+
+def _int(v: Any, path: str, *, minimum: int = 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _fail(path, f"expected an integer >= {minimum}, got {v!r}")
+    if v < minimum:
+        raise _fail(path, f"expected an integer >= {minimum}, got {v!r}")
+    return v
+
+
+def _str(v: Any, path: str) -> str:
+    if not isinstance(v, str):
+        raise _fail(path, f"expected a string, got {v!r}")
+    return v
+
+
+def _str_map(v: Any, path: str) -> dict[str, str]:
+    d = _mapping(v, path)
+    return {str(k): _str(x, _join(path, str(k))) for k, x in d.items()}
+
+
+def _dtype(k: Any, path: str, extra: tuple[str, ...] = ()) -> str:
+    if k not in DTYPES and k not in extra:
+        raise _fail(path, f"unknown dtype key {k!r} (allowed: {', '.join(DTYPES + extra)})")
+    return str(k)
+
+
+def _alpha_beta(v: Any, path: str, level: str, kind: str) -> AlphaBeta:
+    d = _mapping(v, path)
+    _keys(d, path, {"group_size", "alpha_s", "busbw"}, {"source"})
+    gs = _int(d["group_size"], _join(path, "group_size"), minimum=2 if level == "intra_node" or kind == "p2p" else 1)
+    return AlphaBeta(
+        group_size=gs,
+        alpha_s=_num(d["alpha_s"], _join(path, "alpha_s"), allow_zero=True),
+        busbw=_num(d["busbw"], _join(path, "busbw")),
+        source=_str(d.get("source", ""), _join(path, "source")),
+    )
+
+
+def _table(v: Any, path: str, level: str, kind: str) -> tuple[AlphaBeta, ...]:
+    if not isinstance(v, list) or not v:
+        raise _fail(path, f"expected a non-empty list of {{group_size, alpha_s, busbw}}, got {v!r}")
+    pts = tuple(_alpha_beta(x, f"{path}[{i}]", level, kind) for i, x in enumerate(v))
+    sizes = [p.group_size for p in pts]
+    if sizes != sorted(set(sizes)):
+        raise _fail(path, f"group_size must be strictly increasing, got {sizes}")
+    return pts
+
+
+def _link(v: Any, path: str, level: str) -> LinkProfile:
+    d = _mapping(v, path)
+    _keys(d, path, set(COLLECTIVES), {"level"})
+    if "level" in d and d["level"] != level:
+        raise _fail(_join(path, "level"), f"expected {level!r} (the key it is stored under), got {d['level']!r}")
+    tables = {k: _table(d[k], _join(path, k), level, k) for k in COLLECTIVES}
+    return LinkProfile(level=level, **tables)  # type: ignore[arg-type]
+
+
+def _efficiency(v: Any, path: str) -> tuple[EfficiencyPoint, ...]:
+    if not isinstance(v, list) or not v:
+        raise _fail(path, f"expected a non-empty list of {{flops, efficiency}}, got {v!r}")
+    pts: list[EfficiencyPoint] = []
+    for i, x in enumerate(v):
+        p = f"{path}[{i}]"
+        d = _mapping(x, p)
+        _keys(d, p, {"flops", "efficiency"})
+        eff = _num(d["efficiency"], _join(p, "efficiency"))
+        if eff > 1.0:
+            raise _fail(_join(p, "efficiency"), f"expected a number in (0, 1], got {eff!r}")
+        pts.append(EfficiencyPoint(flops=_num(d["flops"], _join(p, "flops")), efficiency=eff))
+    for i in range(1, len(pts)):
+        a, b = pts[i - 1], pts[i]
+        if b.flops <= a.flops:
+            raise _fail(f"{path}[{i}].flops", "flops must be strictly increasing")
+        if b.flops / b.efficiency < a.flops / a.efficiency * (1 - 1e-9):
+            raise _fail(f"{path}[{i}].efficiency", "implied time flops/efficiency must not decrease with size")
+    return tuple(pts)
+
+
+def _device(v: Any, path: str) -> DeviceProfile:
+    d = _mapping(v, path)
+    req = {"name", "memory_bytes", "peak_flops", "matmul_efficiency", "memory_bandwidth", "launch_overhead_s"}
+    _keys(d, path, req, {"vector_flops", "sources"})
+    pf_path = _join(path, "peak_flops")
+    peak = {_dtype(k, f"{pf_path}.{k}"): _num(x, f"{pf_path}.{k}") for k, x in _mapping(d["peak_flops"], pf_path).items()}
+    if not peak:
+        raise _fail(pf_path, "expected at least one dtype")
+    me_path = _join(path, "matmul_efficiency")
+    eff = {
+        _dtype(k, f"{me_path}.{k}", ("default",)): _efficiency(x, f"{me_path}.{k}")
+        for k, x in _mapping(d["matmul_efficiency"], me_path).items()
+    }
+    if not eff:
+        raise _fail(me_path, "expected at least one table ('default' or a dtype)")
+    vf = d.get("vector_flops")
+    return DeviceProfile(
+        name=_str(d["name"], _join(path, "name")),
+        memory_bytes=_int(d["memory_bytes"], _join(path, "memory_bytes")),
+        peak_flops=peak,
+        matmul_efficiency=eff,
+        memory_bandwidth=_num(d["memory_bandwidth"], _join(path, "memory_bandwidth")),
+        launch_overhead_s=_num(d["launch_overhead_s"], _join(path, "launch_overhead_s"), allow_zero=True),
+        vector_flops=None if vf is None else _num(vf, _join(path, "vector_flops")),
+        sources=_str_map(d.get("sources", {}), _join(path, "sources")),
+    )
+
+
+def profile_from_dict(data: Any) -> ClusterProfile:
+    """Validate a plain mapping (as loaded from YAML) and build a :class:`ClusterProfile`."""
+    d = _mapping(data, "<profile>")
+    _keys(d, "", {"schema_version", "name", "nodes", "devices_per_node", "device", "links"}, {"source"})
+    version = d["schema_version"]
+    if version != SCHEMA_VERSION:
+        raise _fail("schema_version", f"unsupported version {version!r} (this autopar reads {SCHEMA_VERSION})")
+    nodes = _int(d["nodes"], "nodes")
+    dpn = _int(d["devices_per_node"], "devices_per_node")
+    links_d = _mapping(d["links"], "links")
+    for k in links_d:
+        if k not in LEVELS:
+            raise _fail(f"links.{k}", f"unknown link level (allowed: {', '.join(LEVELS)})")
+    links = {k: _link(links_d[k], f"links.{k}", k) for k in LEVELS if k in links_d}
+    if dpn > 1 and "intra_node" not in links:
+        raise _fail("links.intra_node", f"missing required field (devices_per_node is {dpn})")
+    if nodes > 1 and "inter_node" not in links:
+        raise _fail("links.inter_node", f"missing required field (nodes is {nodes})")
+    return ClusterProfile(
+        schema_version=SCHEMA_VERSION,
+        name=_str(d["name"], "name"),
+        source=_str(d.get("source", ""), "source"),
+        nodes=nodes,
+        devices_per_node=dpn,
+        device=_device(d["device"], "device"),
+        links=links,
+    )
+
+
+def _ab_dict(p: AlphaBeta) -> dict[str, Any]:
+    out: dict[str, Any] = {"group_size": p.group_size, "alpha_s": p.alpha_s, "busbw": p.busbw}
+    if p.source:
+        out["source"] = p.source
+    return out
+
+
+def profile_to_dict(profile: ClusterProfile) -> dict[str, Any]:
+    """Plain-data form of ``profile`` (the inverse of :func:`profile_from_dict`)."""
+    dev = profile.device
+    device: dict[str, Any] = {
+        "name": dev.name,
+        "memory_bytes": dev.memory_bytes,
+        "peak_flops": dict(dev.peak_flops),
+        "matmul_efficiency": {
+            k: [{"flops": p.flops, "efficiency": p.efficiency} for p in pts] for k, pts in dev.matmul_efficiency.items()
+        },
+        "memory_bandwidth": dev.memory_bandwidth,
+        "launch_overhead_s": dev.launch_overhead_s,
+    }
+    if dev.vector_flops is not None:
+        device["vector_flops"] = dev.vector_flops
+    if dev.sources:
+        device["sources"] = dict(dev.sources)
+    links = {
+        lvl: {k: [_ab_dict(p) for p in link.table(k)] for k in COLLECTIVES} for lvl, link in profile.links.items()
+    }
+    return {
+        "schema_version": profile.schema_version,
+        "name": profile.name,
+        "source": profile.source,
+        "nodes": profile.nodes,
+        "devices_per_node": profile.devices_per_node,
+        "device": device,
+        "links": links,
+    }
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads YAML 1.2 floats such as ``2.3e11`` (PyYAML's 1.1 rules read them as strings)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def loads_profile(text: str, *, origin: str = "<string>") -> ClusterProfile:
+    """Parse and validate a profile from YAML text."""
+    try:
+        data = yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as e:
+        raise ProfileError(f"{origin}: not valid YAML: {e}") from e
+    return profile_from_dict(data)
+
+
+def load_profile(path: str | Path) -> ClusterProfile:
+    """Read and validate a profile YAML file; raises :class:`ProfileError` naming the bad field."""
+    p = Path(path)
+    if not p.is_file():
+        raise ProfileError(f"{p}: no such profile file")
+    try:
+        return loads_profile(p.read_text(), origin=str(p))
+    except ProfileError as e:
+        raise ProfileError(f"{e} (in {p})") from None
+
+
+def dump_profile(profile: ClusterProfile) -> str:
+    """YAML text of ``profile``."""
+    return yaml.safe_dump(profile_to_dict(profile), sort_keys=False, width=120)
+
+
+def save_profile(profile: ClusterProfile, path: str | Path) -> Path:
+    """Validate ``profile`` (by round-tripping it) and write it as YAML to ``path``."""
+    text = dump_profile(profile)
+    loads_profile(text, origin=str(path))
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(text)
+    return p
