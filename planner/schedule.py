@@ -1,0 +1,296 @@
+"""Pipeline schedule simulator: GPipe, 1F1B (PipeDream-Flush) and interleaved 1F1B, event by event.
+
+Pure function of plain numbers, no I/O. The model:
+
+- ``pp`` ranks; with ``v`` virtual stages (model chunks) per rank there are ``K = pp * v`` virtual stages and chunk
+  ``c`` of rank ``r`` is virtual stage ``k = c * pp + r`` (Narayanan et al., SC'21, sec. 2.2). With ``v == 1`` a
+  virtual stage is a stage.
+- Each rank executes its ops (``F`` forward / ``B`` backward of one micro-batch on one of its chunks) one at a time,
+  in the fixed order of the schedule (below). An op starts when the rank is free *and* its dependency is done:
+  ``F(mb, k)`` needs ``F(mb, k-1)`` plus the activation transfer ``p2p[k-1]``; ``B(mb, k)`` needs ``B(mb, k+1)`` plus
+  the gradient transfer ``p2p[k]`` (same size as the activation) and its own ``F(mb, k)``.
+- Transfers are asynchronous (``isend``/``irecv`` overlapped with compute, no link contention): they delay the
+  receiver but never occupy a rank. Sends of two ops in flight on one link are not serialized.
+- Orders. GPipe (Huang et al. 2019): all forwards, then all backwards (micro-batch order). 1F1B / PipeDream-Flush
+  (Narayanan et al. 2021): ``min(pp - r - 1, m)`` warm-up forwards, then alternate one forward / one backward, then
+  the remaining backwards. Interleaved 1F1B (Narayanan et al. SC'21, Megatron-LM): the ``m * v`` chunk-micro-batches
+  are taken in groups of ``pp`` micro-batches per chunk (forward: chunks ``0..v-1``, backward: chunks ``v-1..0``);
+  ``min((pp - r - 1) * 2 + (v - 1) * pp, m * v)`` warm-up forwards, then 1F1B, then cool-down. Requires
+  ``m % pp == 0``.
+- Data-parallel gradient sync of rank ``r`` (``dp_sync[r]`` seconds, all of its chunks) starts as gradients become
+  final during the backwards of the last micro-batch: it overlaps with those backward ops on the rank (the overlap
+  window is their total duration), and the exposed part ``max(0, dp_sync[r] - window)`` is added after the rank's
+  last op. The optimizer step ``optimizer_s`` starts when every rank is done (a global barrier, as gradient-norm
+  clipping across stages needs) and ends the iteration.
+
+Definitions of the outputs:
+
+- ``pipeline_s``: end of the last compute op (makespan, without sync and optimizer).
+- ``busy_s[r]``: sum of the rank's op durations.
+- ``bubble_s``: idle time of the critical rank, the busiest one: ``pipeline_s - max(busy_s)``. With equal stages
+  and no transfers this is ``(pp - 1) * (f + b)`` for GPipe and 1F1B and ``(pp - 1) * (f + b) / v`` for interleaved
+  1F1B (``f``, ``b``: the whole rank's time per micro-batch; Narayanan et al. SC'21, sec. 2.2).
+  ``bubble_fraction = bubble_s / pipeline_s``.
+- ``peak_in_flight[r]``: max over time of (forwards started - backwards finished) on rank ``r``, in
+  chunk-micro-batches: how many micro-batches' activations of one chunk the rank holds at its peak. It depends only
+  on the order, not on the times. 1F1B: ``min(pp - r, m)``; GPipe: ``m``; interleaved: first rank
+  ``(pp - 1) * 2 + (v - 1) * pp + 1`` chunks, i.e. ``pp + (pp - 1) / v`` stage-micro-batches (Korthikanti et al.
+  2022, sec. 4.2).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ir.plan import Schedule
+
+__all__ = [
+    "OpEvent", "ScheduleResult", "rank_order", "simulate", "peak_in_flight", "chrome_trace", "SCHEDULES",
+]
+
+log = logging.getLogger(__name__)
+
+SCHEDULES: tuple[Schedule, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
+Op = tuple[Literal["F", "B"], int, int]
+"""(kind, micro-batch, chunk) of one op on a rank."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class OpEvent:
+    """One executed op."""
+
+    rank: int
+    """Pipeline rank that ran it."""
+    kind: Literal["F", "B"]
+    """Forward or backward."""
+    microbatch: int
+    """Micro-batch index, ``0..m-1``."""
+    chunk: int
+    """Model chunk on the rank (0 unless interleaved)."""
+    stage: int
+    """Virtual stage ``chunk * pp + rank``."""
+    start: float
+    """Start time in seconds."""
+    end: float
+    """End time in seconds."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ScheduleResult:
+    """Simulated timeline of one training iteration (see the module docstring for the definitions)."""
+
+    schedule: Schedule
+    """Schedule simulated."""
+    pp: int
+    """Pipeline ranks."""
+    virtual_stages: int
+    """Chunks per rank."""
+    num_microbatches: int
+    """Micro-batches per iteration."""
+    iteration_s: float
+    """Whole iteration: pipeline, exposed gradient sync, optimizer step."""
+    pipeline_s: float
+    """End of the last forward/backward op."""
+    busy_s: tuple[float, ...]
+    """Per rank: time spent computing."""
+    bubble_s: float
+    """Idle time of the busiest rank within ``pipeline_s``."""
+    bubble_fraction: float
+    """``bubble_s / pipeline_s``."""
+    peak_in_flight: tuple[int, ...]
+    """Per rank: peak chunk-micro-batches whose forward started and backward has not finished."""
+    exposed_sync_s: tuple[float, ...]
+    """Per rank: data-parallel gradient sync not hidden behind the last micro-batch's backwards."""
+    optimizer_s: float
+    """Optimizer step time."""
+    rank_end_s: tuple[float, ...]
+    """Per rank: end of its last op plus exposed sync (before the optimizer step)."""
+    events: tuple[OpEvent, ...]
+    """Every op, sorted by (rank, start)."""
+
+
+def _check(pp: int, m: int, v: int, schedule: str) -> None:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if pp < 1 or m < 1 or v < 1:
+        raise ValueError(f"pp, num_microbatches and virtual_stages must be >= 1, got {pp}, {m}, {v}")
+    if schedule != "interleaved_1f1b" and v != 1:
+        raise ValueError(f"virtual_stages={v} needs schedule 'interleaved_1f1b' (got {schedule!r})")
+    if schedule == "interleaved_1f1b" and m % pp:
+        raise ValueError(f"interleaved 1F1B needs num_microbatches divisible by pp (Megatron-LM); got m={m}, "
+                         f"pp={pp}: pick m as a multiple of {pp}")
+
+
+def _interleaved_op(i: int, *, pp: int, v: int, forward: bool) -> tuple[int, int]:
+    """(micro-batch, chunk) of the i-th forward (or backward) on a rank under interleaved 1F1B."""
+    group, in_group = divmod(i, pp * v)
+    chunk = in_group // pp
+    if not forward:
+        chunk = v - 1 - chunk
+    return group * pp + in_group % pp, chunk
+
+
+def rank_order(schedule: Schedule, *, rank: int, pp: int, num_microbatches: int,
+               virtual_stages: int = 1) -> list[Op]:
+    """The ops of ``rank`` in execution order, as ``(kind, microbatch, chunk)``."""
+    m, v = num_microbatches, virtual_stages
+    _check(pp, m, v, schedule)
+    if not 0 <= rank < pp:
+        raise ValueError(f"rank must be in [0, {pp}), got {rank}")
+    if schedule == "gpipe":
+        return [("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)]
+    if schedule == "1f1b":
+        fwd = [("F", i, 0) for i in range(m)]
+        bwd = [("B", i, 0) for i in range(m)]
+        warmup = min(pp - rank - 1, m)
+    else:
+        total = m * v
+        fwd = [("F", *_interleaved_op(i, pp=pp, v=v, forward=True)) for i in range(total)]
+        bwd = [("B", *_interleaved_op(i, pp=pp, v=v, forward=False)) for i in range(total)]
+        warmup = min((pp - rank - 1) * 2 + (v - 1) * pp, total)
+    order: list[Op] = list(fwd[:warmup])
+    for i in range(len(fwd) - warmup):
+        order += [fwd[warmup + i], bwd[i]]
+    order += bwd[len(fwd) - warmup:]
+    return order  # type: ignore[return-value]
+
+
+def _per_rank(x: float | Sequence[float], n: int, what: str) -> list[float]:
+    """``n`` non-negative finite numbers from one number or a sequence."""
+    vals = [float(x)] * n if isinstance(x, (int, float)) else [float(y) for y in x]
+    if len(vals) != n or any(not 0 <= y < math.inf for y in vals):
+        raise ValueError(f"{what} must be a non-negative finite number or {n} of them, got {x!r}")
+    return vals
+
+
+def _run(orders: list[list[Op]], fwd: list[float], bwd: list[float], p2p: list[float],
+         pp: int) -> list[list[tuple[Op, float, float]]]:
+    """Execute the per-rank orders; returns per rank ``(op, start, end)`` in order."""
+    last = len(fwd) - 1
+    done: dict[tuple[str, int, int], float] = {}  # (kind, mb, virtual stage) -> end time
+    free = [0.0] * pp
+    pos = [0] * pp
+    out: list[list[tuple[Op, float, float]]] = [[] for _ in range(pp)]
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for r in range(pp):
+            while pos[r] < len(orders[r]):
+                kind, mb, c = orders[r][pos[r]]
+                k = c * pp + r
+                if kind == "F":
+                    deps = [] if k == 0 else [(("F", mb, k - 1), p2p[k - 1])]
+                else:
+                    deps = [(("F", mb, k), 0.0)] + ([] if k == last else [(("B", mb, k + 1), p2p[k])])
+                if any(d not in done for d, _ in deps):
+                    break
+                start = max([free[r]] + [done[d] + lat for d, lat in deps])
+                end = start + (fwd[k] if kind == "F" else bwd[k])
+                done[(kind, mb, k)] = end
+                free[r] = end
+                out[r].append(((kind, mb, c), start, end))
+                pos[r] += 1
+                remaining -= 1
+                progressed = True
+        assert progressed, "pipeline schedule deadlocked: the per-rank orders are inconsistent"
+    return out
+
+
+def peak_in_flight(order: Sequence[Op], weights: Sequence[float] | None = None) -> float:
+    """Peak of (forwards started - backwards finished) over a rank's op order.
+
+    With ``weights[chunk]`` (e.g. activation bytes of each chunk) it returns the peak weighted sum instead.
+    """
+    cur = peak = 0.0
+    for kind, _, c in order:
+        w = 1.0 if weights is None else float(weights[c])
+        if kind == "F":
+            cur += w
+            peak = max(peak, cur)
+        else:
+            cur -= w
+    return peak
+
+
+def simulate(fwd: Sequence[float], bwd: Sequence[float], *, pp: int, num_microbatches: int,
+             schedule: Schedule = "1f1b", virtual_stages: int = 1, p2p: float | Sequence[float] = 0.0,
+             dp_sync: float | Sequence[float] = 0.0, optimizer_s: float = 0.0) -> ScheduleResult:
+    """Simulate one iteration.
+
+    ``fwd[k]``/``bwd[k]``: time of one micro-batch on virtual stage ``k`` (``pp * virtual_stages`` entries).
+    ``p2p[k]``: transfer time between virtual stages ``k`` and ``k+1`` (``pp * v - 1`` entries, or one number).
+    ``dp_sync[r]``: gradient-sync time of rank ``r`` (or one number for all).
+    """
+    v, m = virtual_stages, num_microbatches
+    _check(pp, m, v, schedule)
+    n = pp * v
+    if len(fwd) != n or len(bwd) != n:
+        raise ValueError(f"fwd and bwd need pp*virtual_stages = {n} entries, got {len(fwd)} and {len(bwd)}")
+    fw, bw = _per_rank(fwd, n, "fwd"), _per_rank(bwd, n, "bwd")
+    links = _per_rank(p2p, n - 1, "p2p") if n > 1 else []
+    sync = _per_rank(dp_sync, pp, "dp_sync")
+    if optimizer_s < 0:
+        raise ValueError(f"optimizer_s must be >= 0, got {optimizer_s}")
+    orders = [rank_order(schedule, rank=r, pp=pp, num_microbatches=m, virtual_stages=v) for r in range(pp)]
+    timeline = _run(orders, fw, bw, links, pp)
+    events = tuple(OpEvent(rank=r, kind=op[0], microbatch=op[1], chunk=op[2], stage=op[2] * pp + r, start=s, end=e)
+                   for r in range(pp) for op, s, e in timeline[r])
+    busy = tuple(sum(e - s for _, s, e in timeline[r]) for r in range(pp))
+    pipeline = max(e for _, _, e in (t[-1] for t in timeline))
+    exposed, rank_end = [], []
+    for r in range(pp):
+        window = sum(e - s for (kind, mb, _), s, e in timeline[r] if kind == "B" and mb == m - 1)
+        exposed.append(max(0.0, sync[r] - window))
+        rank_end.append(timeline[r][-1][2] + exposed[-1])
+    bubble = pipeline - max(busy)
+    result = ScheduleResult(
+        schedule=schedule, pp=pp, virtual_stages=v, num_microbatches=m,
+        iteration_s=max(rank_end) + optimizer_s, pipeline_s=pipeline, busy_s=busy, bubble_s=bubble,
+        bubble_fraction=bubble / pipeline if pipeline > 0 else 0.0,
+        peak_in_flight=tuple(int(peak_in_flight(o)) for o in orders), exposed_sync_s=tuple(exposed),
+        optimizer_s=optimizer_s, rank_end_s=tuple(rank_end), events=events)
+    log.debug("simulated %s pp=%d v=%d m=%d: %.6gs, bubble %.3f", schedule, pp, v, m, result.iteration_s,
+              result.bubble_fraction)
+    return result
+
+
+def chrome_trace(result: ScheduleResult, stage_names: Sequence[str] | None = None) -> dict[str, Any]:
+    """Chrome Trace Event JSON (loadable in Perfetto / chrome://tracing) of a simulated schedule.
+
+    One process per pipeline rank; thread 0 ("compute") holds one complete (``ph: "X"``) event per op named
+    ``F<mb>``/``B<mb>`` (``F<mb>.c<chunk>`` when interleaved); thread 1 ("comm/optimizer") holds the exposed gradient
+    sync and the optimizer step. Times are microseconds. ``stage_names[k]`` labels virtual stage ``k``.
+    """
+    n = result.pp * result.virtual_stages
+    if stage_names is not None and len(stage_names) != n:
+        raise ValueError(f"stage_names needs {n} entries (one per virtual stage), got {len(stage_names)}")
+    us = 1e6
+    ev: list[dict[str, Any]] = []
+    for r in range(result.pp):
+        ev.append({"ph": "M", "name": "process_name", "pid": r, "tid": 0, "args": {"name": f"pp rank {r}"}})
+        ev.append({"ph": "M", "name": "thread_name", "pid": r, "tid": 0, "args": {"name": "compute"}})
+        ev.append({"ph": "M", "name": "thread_name", "pid": r, "tid": 1, "args": {"name": "comm/optimizer"}})
+    for e in result.events:
+        name = f"{e.kind}{e.microbatch}" + (f".c{e.chunk}" if result.virtual_stages > 1 else "")
+        args: dict[str, Any] = {"microbatch": e.microbatch, "chunk": e.chunk, "stage": e.stage}
+        if stage_names is not None:
+            args["stage_name"] = stage_names[e.stage]
+        ev.append({"ph": "X", "name": name, "cat": "forward" if e.kind == "F" else "backward", "pid": e.rank,
+                   "tid": 0, "ts": e.start * us, "dur": (e.end - e.start) * us, "args": args})
+    for r in range(result.pp):
+        t = result.rank_end_s[r] - result.exposed_sync_s[r]
+        if result.exposed_sync_s[r] > 0:
+            ev.append({"ph": "X", "name": "dp grad sync (exposed)", "cat": "comm", "pid": r, "tid": 1,
+                       "ts": t * us, "dur": result.exposed_sync_s[r] * us, "args": {}})
+        if result.optimizer_s > 0:
+            start = result.iteration_s - result.optimizer_s
+            ev.append({"ph": "X", "name": "optimizer step", "cat": "optimizer", "pid": r, "tid": 1,
+                       "ts": start * us, "dur": result.optimizer_s * us, "args": {}})
+    return {"traceEvents": ev, "displayTimeUnit": "ms",
+            "otherData": {"schedule": result.schedule, "pp": result.pp, "virtual_stages": result.virtual_stages,
+                          "num_microbatches": result.num_microbatches, "iteration_s": result.iteration_s,
+                          "bubble_fraction": result.bubble_fraction}}

@@ -1,0 +1,192 @@
+"""Stage partitioner: cut a sequence of layer groups into pipeline stages, min-max stage time under memory limits.
+
+Pure solver core over plain costs (no I/O), so tests compare it with brute-force enumeration (as alpa's stage DP
+tests do).
+
+**Formulation.** Layer groups ``0..n-1`` (cuts only between groups) are split into ``K = pp * v`` contiguous,
+non-empty virtual stages; virtual stage ``k`` runs on rank ``k % pp`` (round-robin chunks, Narayanan et al. SC'21).
+For stage ``k = [i, j)``:
+
+- time ``T_k(i, j) = sum(time[i:j]) + (p2p(out_bytes[j-1], k) if k < K-1 else 0)``: compute of one micro-batch plus
+  the transfer across its outgoing boundary (charged to the sender; the caller's ``p2p`` says whether that covers the
+  forward activation and the backward gradient, usually both),
+- memory ``M_k(i, j) = sum(mem[i:j]) + in_flight(k) * sum(act[i:j])``: model state plus the activations of the
+  ``in_flight(k)`` micro-batches the schedule keeps alive on that stage (:mod:`planner.schedule`).
+
+Objective: minimize the bottleneck ``max_k T_k`` (the steady-state pipeline period; total compute is fixed, so this
+also minimizes the iteration time ``~ sum_k T_k + (m - 1) max_k T_k`` up to transfers) subject to
+``M_k <= capacity`` for every stage (``v == 1``). DP over prefixes, ``O(n^2 K)``:
+``best[k][j] = min_i max(best[k-1][i], T_{k-1}(i, j))`` over feasible ``[i, j)``.
+
+**Tie-break (balanced memory).** Among partitions with the optimal bottleneck ``T*`` a second DP minimizes the peak
+stage memory ``max_k M_k`` subject to ``T_k <= T*`` (exact: min-max is decomposable once the time bound is a per-stage
+constraint). Remaining ties go to the earliest cut (smallest ``i`` scanned first, strict improvement only), so the
+result is deterministic.
+
+**Interleaved (v > 1).** A rank holds ``v`` non-contiguous chunks whose memories add up, which does not decompose
+over prefixes. We constrain every chunk to ``capacity / v`` (sufficient, not necessary: it can reject a split that
+would fit unevenly) and report the true per-rank sums. Pass ``in_flight(k) =
+memory.in_flight_microbatches(schedule, ...)[k % pp]`` (the rank's peak chunk-micro-batches divided by ``v``): with
+equal chunks the rank's activations ``sum_c act_c * in_flight`` are then exactly the simulator's peak.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+
+__all__ = ["StagePartition", "partition_stages", "stage_cost"]
+
+log = logging.getLogger(__name__)
+
+P2PFn = Callable[[float, int], float]
+"""``p2p(nbytes, k)``: transfer time per micro-batch across the boundary after virtual stage ``k``."""
+InFlightFn = Callable[[int], float]
+"""``in_flight(k)``: micro-batches of activations virtual stage ``k`` holds at its peak."""
+_REL = 1e-9
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class StagePartition:
+    """Result of :func:`partition_stages`."""
+
+    feasible: bool
+    """False when no partition fits memory (or there are fewer groups than stages); then the rest is empty."""
+    reason: str = ""
+    """Why it is infeasible, for the user."""
+    boundaries: tuple[tuple[int, int], ...] = ()
+    """Per virtual stage ``(start, end)``: layer groups ``start..end-1``."""
+    stage_time: tuple[float, ...] = ()
+    """Per virtual stage: compute + outgoing transfer per micro-batch (``T_k``)."""
+    stage_memory: tuple[float, ...] = ()
+    """Per virtual stage: ``M_k`` in bytes."""
+    rank_memory: tuple[float, ...] = ()
+    """Per rank: sum of its chunks' ``M_k`` (equals ``stage_memory`` when ``v == 1``)."""
+    bottleneck_s: float = math.inf
+    """``max(stage_time)``: the objective."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class _Costs:
+    time: Sequence[float]
+    mem: Sequence[float]
+    act: Sequence[float]
+    out_bytes: Sequence[float]
+    p2p: P2PFn
+    in_flight: InFlightFn
+    K: int
+    pt: list[float]
+    pm: list[float]
+    pa: list[float]
+
+    def t(self, k: int, i: int, j: int) -> float:
+        link = self.p2p(self.out_bytes[j - 1], k) if k < self.K - 1 else 0.0
+        return self.pt[j] - self.pt[i] + link
+
+    def m(self, k: int, i: int, j: int) -> float:
+        return self.pm[j] - self.pm[i] + self.in_flight(k) * (self.pa[j] - self.pa[i])
+
+
+def _prefix(x: Sequence[float]) -> list[float]:
+    return [0.0, *accumulate(float(y) for y in x)]
+
+
+def _validate(time: Sequence[float], mem: Sequence[float], act: Sequence[float], out_bytes: Sequence[float],
+              pp: int, v: int, capacity: float) -> None:
+    n = len(time)
+    if n == 0:
+        raise ValueError("need at least one layer group")
+    for name, xs in (("mem", mem), ("act", act), ("out_bytes", out_bytes)):
+        if len(xs) != n:
+            raise ValueError(f"{name} has {len(xs)} entries but time has {n} (one per layer group)")
+    for name, xs in (("time", time), ("mem", mem), ("act", act), ("out_bytes", out_bytes)):
+        if any(not math.isfinite(x) or x < 0 for x in xs):
+            raise ValueError(f"{name} must be finite and >= 0")
+    if pp < 1 or v < 1:
+        raise ValueError(f"pp and virtual_stages must be >= 1, got {pp}, {v}")
+    if not capacity > 0:
+        raise ValueError(f"capacity must be > 0 bytes, got {capacity}")
+
+
+def _dp(c: _Costs, n: int, cap: float, cost: Callable[[int, int, int], float],
+        allowed: Callable[[int, int, int], bool]) -> tuple[float, list[list[int]]]:
+    """Min over partitions of max_k cost(k, i, j) with every stage allowed; returns (value, argmin table)."""
+    K = c.K
+    best = [[math.inf] * (n + 1) for _ in range(K + 1)]
+    arg = [[-1] * (n + 1) for _ in range(K + 1)]
+    best[0][0] = 0.0
+    for k in range(1, K + 1):
+        # stage k-1 = [i, j); leave at least one group for each later stage
+        for j in range(k, n - (K - k) + 1):
+            for i in range(k - 1, j):
+                if best[k - 1][i] == math.inf or c.m(k - 1, i, j) > cap or not allowed(k - 1, i, j):
+                    continue
+                val = max(best[k - 1][i], cost(k - 1, i, j))
+                if val < best[k][j]:
+                    best[k][j], arg[k][j] = val, i
+    return best[K][n], arg
+
+
+def _cuts(arg: list[list[int]], K: int, n: int) -> tuple[tuple[int, int], ...]:
+    out, j = [], n
+    for k in range(K, 0, -1):
+        i = arg[k][j]
+        out.append((i, j))
+        j = i
+    assert j == 0
+    return tuple(reversed(out))
+
+
+def _partition(costs: _Costs, *, n: int, pp: int, v: int, capacity: float) -> StagePartition:
+    """Run the two DPs on prepared costs (see the module docstring)."""
+    K = pp * v
+    if n < K:
+        return StagePartition(feasible=False, reason=f"{n} layer groups cannot fill pp*v = {K} stages; lower pp "
+                                                    "or virtual_stages")
+    cap = capacity / v
+    t_star, _ = _dp(costs, n, cap, costs.t, lambda k, i, j: True)
+    if t_star == math.inf:
+        return StagePartition(feasible=False, reason=f"no split into {K} stages fits {capacity / 2**30:.2f} GiB "
+                                                    "per device; add devices, raise zero or recomputation")
+    bound = t_star * (1 + _REL) + 1e-15
+    _, arg = _dp(costs, n, cap, costs.m, lambda k, i, j: costs.t(k, i, j) <= bound)
+    cuts = _cuts(arg, K, n)
+    times = tuple(costs.t(k, i, j) for k, (i, j) in enumerate(cuts))
+    mems = tuple(costs.m(k, i, j) for k, (i, j) in enumerate(cuts))
+    ranks = tuple(sum(mems[r::pp]) for r in range(pp))
+    assert all(r <= capacity * (1 + _REL) for r in ranks)
+    log.debug("partitioned %d groups into %d stages: bottleneck %.6gs, cuts %s", n, K, max(times), cuts)
+    return StagePartition(feasible=True, boundaries=cuts, stage_time=times, stage_memory=mems, rank_memory=ranks,
+                          bottleneck_s=max(times))
+
+
+def partition_stages(time: Sequence[float], mem: Sequence[float], act: Sequence[float],
+                     out_bytes: Sequence[float], *, pp: int, capacity: float, virtual_stages: int = 1,
+                     p2p: P2PFn | None = None, in_flight: InFlightFn | None = None) -> StagePartition:
+    """Split layer groups into ``pp * virtual_stages`` stages minimizing the bottleneck stage time.
+
+    ``time[i]``: forward+backward time per micro-batch of group ``i`` (including its tp communication);
+    ``mem[i]``: model-state bytes of group ``i`` per device; ``act[i]``: activation bytes per micro-batch;
+    ``out_bytes[i]``: activation bytes crossing a cut after group ``i``; ``p2p(nbytes, k)``: transfer time after
+    virtual stage ``k`` (default: free); ``in_flight(k)``: micro-batches alive on virtual stage ``k`` (default 1);
+    ``capacity``: bytes per device available to these costs.
+    """
+    _validate(time, mem, act, out_bytes, pp, virtual_stages, capacity)
+    costs = _Costs(time=time, mem=mem, act=act, out_bytes=out_bytes, p2p=p2p or (lambda b, k: 0.0),
+                   in_flight=in_flight or (lambda k: 1.0), K=pp * virtual_stages, pt=_prefix(time),
+                   pm=_prefix(mem), pa=_prefix(act))
+    return _partition(costs, n=len(time), pp=pp, v=virtual_stages, capacity=capacity)
+
+
+def stage_cost(time: Sequence[float], mem: Sequence[float], act: Sequence[float], out_bytes: Sequence[float],
+               cuts: Sequence[tuple[int, int]], *, p2p: P2PFn | None = None,
+               in_flight: InFlightFn | None = None) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(``T_k``, ``M_k``) of a given partition, by the same formulas (for checking and for pinned plans)."""
+    costs = _Costs(time=time, mem=mem, act=act, out_bytes=out_bytes, p2p=p2p or (lambda b, k: 0.0),
+                   in_flight=in_flight or (lambda k: 1.0), K=len(cuts), pt=_prefix(time), pm=_prefix(mem),
+                   pa=_prefix(act))
+    return (tuple(costs.t(k, i, j) for k, (i, j) in enumerate(cuts)),
+            tuple(costs.m(k, i, j) for k, (i, j) in enumerate(cuts)))
