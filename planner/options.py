@@ -1,0 +1,87 @@
+"""Planner options and user pins (``--pin tp=8``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Mapping
+
+__all__ = ["PlanOptions", "parse_pins", "PIN_KEYS"]
+
+PIN_KEYS = ("pp", "dp", "tp", "zero", "micro_batch", "schedule", "recompute", "virtual_stages")
+_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+_RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class PlanOptions:
+    """What to search over and how hard."""
+
+    global_batch: int
+    """Samples per training iteration, over all data-parallel replicas."""
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """Training compute dtype; half precision means mixed precision (fp32 master weights, 16 B/param with Adam)."""
+    pins: Mapping[str, int | str] = field(default_factory=dict)
+    """Fixed choices: any of pp, dp, tp, zero, micro_batch, schedule, recompute, virtual_stages."""
+    top_k: int = 5
+    """How many alternatives to keep besides the best plan."""
+    max_tp: int | None = None
+    """Largest tensor-parallel degree tried; default: two nodes' worth of devices (beyond a node only if cheaper)."""
+    max_micro_batch: int = 64
+    schedules: tuple[str, ...] = _SCHEDULES
+    zero_levels: tuple[int, ...] = (0, 1, 2, 3)
+    recompute_modes: tuple[str, ...] = _RECOMPUTE
+    max_virtual_stages: int = 4
+    intra_op_time_limit_s: float = 10.0
+    """CP-SAT time limit per distinct layer-group solve."""
+    seed: int = 0
+    workers: int = 1
+    """CP-SAT workers; 1 keeps results deterministic."""
+    fused_kernels: bool = True
+
+    def __post_init__(self) -> None:
+        if self.global_batch < 1:
+            raise ValueError(f"global_batch must be >= 1, got {self.global_batch}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        for k, v in self.pins.items():
+            _check_pin(k, v)
+        bad = [s for s in self.schedules if s not in _SCHEDULES]
+        if bad:
+            raise ValueError(f"unknown schedule(s) {bad}; choose from {_SCHEDULES}")
+        bad_r = [r for r in self.recompute_modes if r not in _RECOMPUTE]
+        if bad_r:
+            raise ValueError(f"unknown recompute mode(s) {bad_r}; choose from {_RECOMPUTE}")
+        if any(z not in (0, 1, 2, 3) for z in self.zero_levels):
+            raise ValueError(f"zero levels must be in 0..3, got {self.zero_levels}")
+
+
+def _check_pin(key: str, value: int | str) -> None:
+    if key not in PIN_KEYS:
+        raise ValueError(f"unknown pin {key!r}; pins are {', '.join(PIN_KEYS)}")
+    if key == "schedule":
+        if value not in _SCHEDULES:
+            raise ValueError(f"pin schedule={value!r}: choose from {', '.join(_SCHEDULES)}")
+    elif key == "recompute":
+        if value not in _RECOMPUTE:
+            raise ValueError(f"pin recompute={value!r}: choose from {', '.join(_RECOMPUTE)}")
+    elif not isinstance(value, int) or isinstance(value, bool) or value < (0 if key == "zero" else 1):
+        raise ValueError(f"pin {key}={value!r}: expected a positive integer")
+    elif key == "zero" and value > 3:
+        raise ValueError(f"pin zero={value}: ZeRO levels are 0, 1, 2, 3")
+
+
+def parse_pins(items: list[str] | tuple[str, ...] | None) -> dict[str, int | str]:
+    """Parse ``["tp=8", "schedule=1f1b"]`` (also comma-separated) into a validated dict."""
+    pins: dict[str, int | str] = {}
+    for item in items or ():
+        for part in str(item).split(","):
+            part = part.strip()
+            if not part:
+                continue
+            if "=" not in part:
+                raise ValueError(f"pin {part!r} must look like key=value, e.g. tp=8")
+            k, v = (s.strip() for s in part.split("=", 1))
+            value: int | str = int(v) if v.lstrip("-").isdigit() else v
+            _check_pin(k, value)
+            pins[k] = value
+    return pins
