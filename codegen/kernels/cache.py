@@ -1,0 +1,70 @@
+"""On-disk, content-addressed cache of generated kernel modules.
+
+``@triton.jit`` reads its function's source with ``inspect``, so generated kernels must live in real files: the
+source is written to ``<cache>/<name>_<sha256[:16]>.py`` (atomically, so concurrent ranks can share the folder) and
+imported from there.  Loaded modules are memoized per process by (directory, hash).  The cache directory is, in
+order: the ``cache_dir`` argument, the ``AUTOPAR_KERNEL_CACHE`` environment variable, ``~/.cache/autopar/kernels``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import tempfile
+from pathlib import Path
+from types import ModuleType
+
+from codegen.triton_gen import KernelSpec, generate_source, source_hash
+
+__all__ = ["cache_dir", "load_source", "load_kernels", "ENV_CACHE"]
+
+log = logging.getLogger(__name__)
+
+#: environment variable overriding the default cache directory
+ENV_CACHE = "AUTOPAR_KERNEL_CACHE"
+
+_LOADED: dict[tuple[str, str], ModuleType] = {}
+
+
+def cache_dir(override: str | os.PathLike[str] | None = None) -> Path:
+    """The kernel cache directory (created if missing)."""
+    path = Path(override or os.environ.get(ENV_CACHE) or Path.home() / ".cache" / "autopar" / "kernels")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OSError(f"cannot create the kernel cache directory {path} ({e}); set {ENV_CACHE} to a writable "
+                      "folder") from e
+    return path
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp_", suffix=".py")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def load_source(source: str, name: str, cache: str | os.PathLike[str] | None = None) -> ModuleType:
+    """Write ``source`` to the cache (unless an identical file is there) and import it as a module."""
+    folder = cache_dir(cache)
+    digest = source_hash(source)
+    key = (str(folder), digest)
+    if key in _LOADED:
+        return _LOADED[key]
+    path = folder / f"{name}_{digest}.py"
+    if not path.exists() or path.read_text() != source:
+        _write_atomic(path, source)
+        log.debug("wrote kernel %s to %s", name, path)
+    mod_name = f"autopar_kernel_{name}_{digest}"
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    _LOADED[key] = module
+    return module
+
+
+def load_kernels(spec: KernelSpec, cache: str | os.PathLike[str] | None = None) -> ModuleType:
+    """The compiled-on-first-launch kernel module for ``spec`` (``<name>_fwd`` and, where generated, ``_bwd``)."""
+    return load_source(generate_source(spec), spec.name, cache)
