@@ -73,7 +73,7 @@ def eager_softmax(x: torch.Tensor, *, scale: float | None = None, causal: bool =
         sq, sk = x.shape[-2], x.shape[-1]
         keep = torch.ones(sq, sk, dtype=torch.bool, device=x.device).tril()
         x = x.masked_fill(~keep, float("-inf"))
-    return torch.softmax(x.float(), dim=-1).to(x.dtype)
+    return torch.softmax(x, dim=-1)
 
 
 # ---- autograd functions ------------------------------------------------------------------------------------------
