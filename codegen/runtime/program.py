@@ -1,0 +1,352 @@
+"""Plan -> per-rank program: :func:`build_program` and :class:`ParallelProgram`.
+
+Build order (every rank, inside an initialized process group):
+
+1. the mesh ``(pp, dp, tp)`` (:mod:`codegen.runtime.mesh`);
+2. a meta clone of the model (the caller's model is never mutated), cut into layer-group fx modules and chained into
+   this rank's pipeline stages (:mod:`codegen.runtime.split`, :mod:`codegen.runtime.pipeline`);
+3. tensor parallelism: plan placements on parameters and activations (:mod:`codegen.runtime.tensor_parallel`);
+4. the dp axis: FSDP2 for ZeRO >= 1, or gradient all-reduce for ZeRO 0 (:mod:`codegen.runtime.data_parallel`);
+5. ``to_empty`` and per-shard loading (:mod:`codegen.runtime.init`).
+
+Batch semantics: :meth:`ParallelProgram.step` takes the *global* batch (the same tensors on every rank);
+dp replica i uses rows ``[i*B/dp, (i+1)*B/dp)``, split into ``plan.num_microbatches`` micro-batches.  The loss is the
+mean of the per-micro-batch losses, averaged over dp, which for a mean-reduced loss equals the single-process loss
+over the global batch; gradients are scaled to match.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+import ir
+from codegen.runtime import data_parallel as dpm
+from codegen.runtime.init import LocalSlot, alias_names, copy_into, fill_slot, meta_clone, seed_stream
+from codegen.runtime.mesh import build_mesh, default_device
+from codegen.runtime.pipeline import build_schedule, local_stage_indices
+from codegen.runtime.split import SplitModel, StageModule, split_model
+from codegen.runtime.tensor_parallel import (expand_op_shardings, implicit_replication, parse_placement, rewrite_group, to_dtensor,
+                                             to_local_replicated, unpermute_chunks)
+
+__all__ = ["ParallelProgram", "build_program"]
+
+log = logging.getLogger(__name__)
+
+Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _strip(name: str) -> str:
+    """``groups.3.blocks.1.attn.qkv.weight`` -> ``blocks.1.attn.qkv.weight`` (FQN in the original model)."""
+    parts = name.split(".")
+    return ".".join(parts[2:]) if parts[0] == "groups" else name
+
+
+class ParallelProgram:
+    """This rank's share of a plan: stage modules, schedule and gradient synchronization."""
+
+    def __init__(self, *, plan: ir.Plan, mesh: DeviceMesh, stages: list[StageModule], stage_indices: list[int],
+                 loss_fn: Loss, device: torch.device, chunks: dict[str, int], aliases: dict[str, list[str]],
+                 tie_groups: dict[str, dist.ProcessGroup]) -> None:
+        self.plan = plan
+        self.mesh = mesh
+        self.stages = stages
+        self.stage_indices = stage_indices
+        self.loss_fn = loss_fn
+        self.device = device
+        self.coords = plan.mesh.coords(dist.get_rank())
+        self._chunks = chunks
+        self._aliases = aliases
+        self._canon = {a: c for c, names in aliases.items() for a in names}
+        self._tie_groups = tie_groups
+        self._fsdp = plan.zero >= 1 and plan.mesh.dp > 1
+        self.schedule = None
+        if plan.mesh.pp > 1:
+            self.schedule = build_schedule(plan, list(stages), stage_indices, mesh["pp"].get_group(), device,
+                                           loss_fn)
+
+    # ---- public API ----------------------------------------------------------------------------------------------
+    @property
+    def module(self) -> nn.Module:
+        """The local module: the single stage module, or a ModuleList of this rank's (virtual) stages."""
+        return self.stages[0] if len(self.stages) == 1 else nn.ModuleList(self.stages)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This rank's parameters (local shards as DTensors where sharded), for a ``torch.optim`` optimizer."""
+        seen: set[int] = set()
+        for s in self.stages:
+            for p in s.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield p
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """(original FQN, parameter) for this rank's parameters."""
+        seen: set[int] = set()
+        for s in self.stages:
+            for n, p in s.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield self._canon.get(_strip(n), _strip(n)), p
+
+    @property
+    def is_last_stage(self) -> bool:
+        return len(self.plan.stages) - 1 in self.stage_indices
+
+    @property
+    def is_first_stage(self) -> bool:
+        return 0 in self.stage_indices
+
+    def step(self, inputs: torch.Tensor | Sequence[torch.Tensor], targets: torch.Tensor) -> float:
+        """Forward and backward of one global batch; returns the loss (the same float on every rank).
+
+        Gradients are left in ``.grad`` (synchronized over dp and tied stages) for the caller's optimizer."""
+        ins = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        ins = tuple(self._dp_slice(x) for x in ins)
+        tgt = self._dp_slice(targets)
+        # Plain tensors created inside the model (torch.arange positions...) meet DTensors in forward *and* backward.
+        ctx = implicit_replication() if self.plan.mesh.tp > 1 else contextlib.nullcontext()
+        with ctx:
+            loss = self._run_pipeline(ins, tgt) if self.schedule is not None else self._run_local(ins, tgt)
+        self._sync_grads()
+        return self._reduce_loss(loss)
+
+    @torch.no_grad()
+    def gathered_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full (unsharded, model-layout) CPU tensors of every parameter under all its names, on every rank.
+
+        Collective over the whole world; meant for tests and checkpoints of models that fit in one process."""
+        local: dict[str, torch.Tensor] = {}
+        for fqn, p in self.named_parameters():
+            full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+            c = self._chunks.get(fqn, 1)
+            if c > 1:
+                full = unpermute_chunks(full, c, self.plan.mesh.tp)
+            for alias in self._aliases.get(fqn, [fqn]):
+                local[alias] = full.detach().cpu().clone()
+        if self.plan.mesh.pp == 1:
+            return local
+        parts: list[dict[str, torch.Tensor] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, local if self.coords[1:] == (0, 0) else {})
+        out: dict[str, torch.Tensor] = {}
+        for part in parts:
+            for k, v in (part or {}).items():
+                out.setdefault(k, v)
+        return out
+
+    # ---- internals -----------------------------------------------------------------------------------------------
+    def _dp_slice(self, x: torch.Tensor) -> torch.Tensor:
+        dp, r = self.plan.mesh.dp, self.coords[1]
+        b = x.shape[0]
+        per = b // dp
+        if b % (dp * self.plan.num_microbatches):
+            raise ValueError(f"batch {b} is not divisible by dp*num_microbatches = "
+                             f"{dp}*{self.plan.num_microbatches}; pass the plan's global batch "
+                             f"({self.plan.global_batch})")
+        return x[r * per:(r + 1) * per].to(self.device)
+
+    def _run_local(self, ins: tuple[torch.Tensor, ...], tgt: torch.Tensor) -> torch.Tensor:
+        n = self.plan.num_microbatches
+        parts = [torch.chunk(x, n) for x in ins]
+        total = torch.zeros((), device=self.device)
+        for k, t in enumerate(torch.chunk(tgt, n)):
+            out = self.stages[0](*(p[k] for p in parts))
+            loss = self.loss_fn(out, t)
+            (loss / n).backward()
+            total += loss.detach().float()
+        return total / n
+
+    def _run_pipeline(self, ins: tuple[torch.Tensor, ...], tgt: torch.Tensor) -> torch.Tensor:
+        losses: list[torch.Tensor] = []
+        args = ins if self.is_first_stage else ()
+        target = tgt if self.is_last_stage else None
+        self.schedule.step(*args, target=target, losses=losses)  # type: ignore[union-attr]
+        if self.is_last_stage and losses:
+            return torch.stack([l.detach().float() for l in losses]).mean()
+        return torch.zeros((), device=self.device)
+
+    def _sync_grads(self) -> None:
+        params = list(self.parameters())
+        if not self._fsdp:
+            dpm.fix_grad_placements(params)
+            if self.plan.mesh.dp > 1:
+                dpm.allreduce_grads(params, self.mesh["dp"].get_group(), average=True)
+        named = dict(self.named_parameters())
+        for fqn, group in self._tie_groups.items():
+            if fqn in named:
+                dpm.allreduce_grads([named[fqn]], group, average=False)
+
+    def _reduce_loss(self, loss: torch.Tensor) -> float:
+        mine = loss if (self.is_last_stage and self.coords[2] == 0) else torch.zeros_like(loss)
+        buf = mine.reshape(1).clone()
+        dist.all_reduce(buf)
+        return float(buf.item()) / self.plan.mesh.dp
+
+
+def build_program(plan: ir.Plan, model: Any, *, loss_fn: Loss | None = None,
+                  example_inputs: Sequence[torch.Tensor] | None = None, graph: ir.Graph | None = None,
+                  device: torch.device | str | None = None, init: Literal["copy", "seed"] = "copy",
+                  seed: int = 0) -> ParallelProgram:
+    """Build this rank's program for ``plan`` (call on every rank, inside an initialized process group).
+
+    ``model`` is an ``nn.Module`` (real weights for ``init="copy"``, any device incl. meta for ``init="seed"``) or an
+    ``examples.zoo.ModelSpec`` (whose ``loss_fn`` and ``example_inputs`` are the defaults).  ``graph`` is the traced
+    ``ir.Graph`` the plan was made for; traced here with the fx front end when omitted."""
+    if hasattr(model, "model") and hasattr(model, "example_inputs"):
+        loss_fn = loss_fn or model.loss_fn
+        example_inputs = example_inputs if example_inputs is not None else model.example_inputs
+        model = model.model
+    if loss_fn is None or example_inputs is None:
+        raise ValueError("build_program needs loss_fn and example_inputs (or a ModelSpec that carries them)")
+    if init not in ("copy", "seed"):
+        raise ValueError(f"init must be 'copy' or 'seed', got {init!r}")
+    dev = torch.device(device) if device is not None else default_device()
+    mesh = build_mesh(plan, dev)
+    meta = meta_clone(model)
+    if graph is None:
+        graph = ir.trace(meta, tuple(example_inputs), frontend="fx")
+    if graph.fingerprint != plan.graph_fingerprint:
+        log.warning("plan fingerprint %s differs from the traced graph's %s (another batch size or model?)",
+                    plan.graph_fingerprint, graph.fingerprint)
+    if plan.stages[-1].layer_end != len(graph.layers):
+        raise ValueError(f"the plan's stages cover {plan.stages[-1].layer_end} layer groups but the model has "
+                         f"{len(graph.layers)}; re-plan for this model")
+    aliases = alias_names(meta)
+    split = split_model(meta, graph)
+    tie_groups = _tie_groups(plan, split, aliases)
+    pp_rank, dp_rank, tp_rank = plan.mesh.coords(dist.get_rank())
+    indices = local_stage_indices(plan, pp_rank)
+    tp_mesh = mesh["tp"] if plan.mesh.tp > 1 else None
+    stages, group_lists, chunks = _make_stages(plan, graph, split, indices, tp_mesh)
+    canon = {a: c for c, names in aliases.items() for a in names}
+    chunks = {canon.get(k, k): v for k, v in chunks.items()}
+    if tp_mesh is not None:
+        _distribute_params(stages, tp_mesh, plan, canon)
+    fsdp = plan.zero >= 1 and plan.mesh.dp > 1
+    if fsdp:
+        dpm.apply_fsdp(list(stages), group_lists, mesh["dp"], plan.zero)
+    for s in stages:
+        _to_empty_keep_ties(s, dev)
+    _load(stages, model, init, seed, canon, chunks, plan, fsdp, dp_rank, tp_rank)
+    log.info("rank %d: stages %s, %d local parameter tensors", dist.get_rank(), indices,
+             sum(1 for s in stages for _ in s.parameters()))
+    return ParallelProgram(plan=plan, mesh=mesh, stages=stages, stage_indices=indices, loss_fn=loss_fn, device=dev,
+                           chunks=chunks, aliases=aliases, tie_groups=tie_groups)
+
+
+def _make_stages(plan: ir.Plan, graph: ir.Graph, split: SplitModel, indices: list[int],
+                 tp_mesh: DeviceMesh | None) -> tuple[list[StageModule], list[list[nn.Module]], dict[str, int]]:
+    ops = expand_op_shardings(plan, graph) if tp_mesh is not None else {}
+    stages, group_lists, chunks = [], [], {}
+    for i in indices:
+        st = plan.stages[i]
+        ids = list(range(st.layer_start, st.layer_end))
+        groups = [split.groups[g] for g in ids]
+        for g in groups:
+            chunks.update(rewrite_group(g, graph, plan, tp_mesh, ops,
+                                        selective_recompute=st.recompute == "selective"))
+        wrap_in = (lambda x, m=tp_mesh: to_dtensor(x, m)) if tp_mesh is not None else None
+        wrap_out = to_local_replicated if tp_mesh is not None else None
+        stages.append(StageModule(groups, [split.specs[g] for g in ids], split.live_at(st.layer_start),
+                                  split.live_at(st.layer_end), recompute=[st.recompute == "full"] * len(ids),
+                                  wrap_in=wrap_in, wrap_out=wrap_out,
+                                  context=implicit_replication if tp_mesh is not None else None))
+        group_lists.append(groups)
+    return stages, group_lists, chunks
+
+
+def _distribute_params(stages: list[StageModule], mesh: DeviceMesh, plan: ir.Plan, canon: dict[str, str]) -> None:
+    """Replace every (meta) parameter by a meta DTensor with the plan's tp placement; tied parameters stay tied."""
+    new: dict[int, nn.Parameter] = {}
+    for s in stages:
+        for mname, mod in s.named_modules():
+            for k, p in list(mod._parameters.items()):
+                if p is None:
+                    continue
+                if id(p) not in new:
+                    fqn = canon.get(_strip(f"{mname}.{k}"), _strip(f"{mname}.{k}"))
+                    names = {a for a, c in canon.items() if c == fqn} | {fqn}
+                    placements = {plan.placement_of(a) for a in names}
+                    if len(placements) > 1:
+                        raise ValueError(f"tied parameters {sorted(names)} have different placements "
+                                         f"{sorted(placements)} in the plan; give them one placement")
+                    pl = parse_placement(placements.pop())
+                    shape, _ = compute_local_shape_and_global_offset(p.shape, mesh, [pl])
+                    local = torch.empty(shape, dtype=p.dtype, device="meta")
+                    dt = DTensor.from_local(local, mesh, [pl], run_check=False, shape=p.shape, stride=p.stride())
+                    new[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
+                mod._parameters[k] = new[id(p)]
+
+
+def _to_empty_keep_ties(module: nn.Module, device: torch.device) -> None:
+    """``module.to_empty(device)``, then restore parameters shared by several modules (``to_empty`` off the meta
+    device creates one new Parameter per owning module, which would untie tied embeddings)."""
+    owners = [(m, k, id(p)) for m in module.modules() for k, p in m._parameters.items() if p is not None]
+    module.to_empty(device=device)
+    first: dict[int, nn.Parameter] = {}
+    for m, k, old in owners:
+        p = m._parameters[k]
+        assert p is not None
+        m._parameters[k] = first.setdefault(old, p)
+
+
+def _load(stages: list[StageModule], model: nn.Module, init: str, seed: int, canon: dict[str, str],
+          chunks: dict[str, int], plan: ir.Plan, fsdp: bool, dp_rank: int, tp_rank: int) -> None:
+    slots: dict[str, dict[int, LocalSlot]] = {}
+    for s in stages:
+        for name, t in itertools.chain(s.named_parameters(remove_duplicate=False),
+                                       s.named_buffers(remove_duplicate=False)):
+            fqn = canon.get(_strip(name), _strip(name))
+            slots.setdefault(fqn, {})[id(t)] = LocalSlot(
+                t, chunks=chunks.get(fqn, 1), tp=plan.mesh.tp, fsdp=fsdp and isinstance(t, nn.Parameter),
+                dp_rank=dp_rank, dp=plan.mesh.dp)
+    filled: set[int] = set()
+
+    def consume(fqn: str, full: torch.Tensor) -> None:
+        for key, slot in slots.get(canon.get(fqn, fqn), {}).items():
+            if key not in filled:
+                fill_slot(slot, full, tp_rank)
+                filled.add(key)
+
+    if init == "copy":
+        copy_into(model, consume)
+    else:
+        seed_stream(meta_clone(model), seed, consume)
+    missing = [f for f, d in slots.items() if any(k not in filled for k in d)]
+    if missing:
+        raise ValueError(f"no value for {missing[:5]} in the source model (init={init!r})")
+
+
+def _tie_groups(plan: ir.Plan, split: SplitModel, aliases: dict[str, list[str]]) -> dict[str, dist.ProcessGroup]:
+    """Process groups that sum the gradients of a tied parameter held by stages on different pipeline ranks."""
+    if plan.mesh.pp == 1:
+        return {}
+    canon = {a: c for c, names in aliases.items() for a in names}
+    users: dict[str, set[int]] = {}
+    for si, st in enumerate(plan.stages):
+        for g in split.groups[st.layer_start:st.layer_end]:
+            for n, _ in g.named_parameters(remove_duplicate=False):
+                users.setdefault(canon.get(n, n), set()).add(si % plan.mesh.pp)
+    out: dict[str, dist.ProcessGroup] = {}
+    me = dist.get_rank()
+    for fqn in sorted(users):
+        pps = sorted(users[fqn])
+        if len(pps) < 2:
+            continue
+        for d in range(plan.mesh.dp):
+            for t in range(plan.mesh.tp):
+                ranks = [plan.mesh.rank(p, d, t) for p in pps]
+                grp = dist.new_group(ranks)
+                if me in ranks:
+                    out[fqn] = grp
+    return out

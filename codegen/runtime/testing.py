@@ -1,0 +1,167 @@
+"""Helpers for tests, examples and benchmarks: hand-made Megatron-style plans and a multi-process CPU harness.
+
+:func:`make_plan` writes the same fields the planner emits (mesh, stages, tp param/op shardings with their ``comm``
+fields), so the runtime can be exercised without the planner.  :func:`spawn` runs a function on N gloo ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import ir
+
+__all__ = ["COLWISE", "ROWWISE", "make_plan", "megatron_shardings", "spawn", "free_port"]
+
+COLWISE = ("qkv", "fc1", "w_gate", "w_up", "wq", "wk", "wv")
+"""Linear modules that Megatron-LM shards by output features (S(0) on the weight)."""
+ROWWISE = ("proj", "fc2", "wo", "w_down")
+"""Linear modules sharded by input features (S(1) on the weight; their output is a partial sum)."""
+
+
+def _pattern(fqn: str) -> str:
+    return re.sub(r"\.\d+\.", ".*.", fqn, count=1)
+
+
+def megatron_shardings(graph: ir.Graph) -> tuple[tuple[ir.ParamSharding, ...], tuple[ir.OpSharding, ...]]:
+    """Column/row-parallel Megatron shardings (Shoeybi et al. 2019) for the blocks of ``graph``: two all-reduces per
+    block forward (after attention and after the MLP), none elsewhere (embeddings and head replicated)."""
+    params: dict[str, str] = {}
+    ops: list[ir.OpSharding] = []
+    blocks = graph.blocks()
+    if not blocks:
+        return (), ()
+    first = blocks[0]
+    rowwise_nodes: set[str] = set()
+    for n in graph.group_nodes(first):
+        if n.op != "linear":
+            continue
+        leaf = n.module_path.rsplit(".", 1)[-1]
+        last = len(n.out.shape) - 1
+        if leaf in COLWISE:
+            for p in n.params:
+                params[_pattern(p)] = "S(0)"
+            ops.append(ir.OpSharding(node=n.name, op="linear", strategy="column", inputs=("R",),
+                                     output=f"S({last})"))
+        elif leaf in ROWWISE:
+            for p in n.params:
+                params[_pattern(p)] = "S(1)" if p.endswith("weight") else "R"
+            ops.append(ir.OpSharding(node=n.name, op="linear", strategy="row", inputs=(f"S({last})",), output="P"))
+            rowwise_nodes.add(n.name)
+    for n in graph.group_nodes(first):
+        reads = [i for i in n.activation_inputs if i in rowwise_nodes]
+        if reads and n.op == "add":
+            ops.append(ir.OpSharding(node=n.name, op="add", strategy="replicate",
+                                     inputs=tuple("R" for _ in n.activation_inputs), output="R",
+                                     comm="all_reduce"))
+    return tuple(ir.ParamSharding(pattern=k, placement=v) for k, v in params.items()), tuple(ops)
+
+
+def make_plan(graph: ir.Graph, *, pp: int = 1, dp: int = 1, tp: int = 1, zero: int = 0, schedule: str = "1f1b",
+              micro_batch: int = 1, num_microbatches: int = 1, virtual_stages: int = 1, recompute: str = "none",
+              model: str = "", cuts: tuple[int, ...] | None = None) -> ir.Plan:
+    """A plan with the given mesh and memory savers; stages split the layer groups evenly (or at ``cuts``)."""
+    n_stages = pp * virtual_stages
+    n = len(graph.layers)
+    if cuts is None:
+        cuts = tuple(round(n * k / n_stages) for k in range(1, n_stages))
+    bounds = (0, *cuts, n)
+    stages = tuple(ir.StagePlan(index=i, layer_start=bounds[i], layer_end=bounds[i + 1],
+                                modules=tuple(g.module_path or f"<{g.role}>"
+                                              for g in graph.layers[bounds[i]:bounds[i + 1]]),
+                                recompute=recompute)  # type: ignore[arg-type]
+                   for i in range(n_stages))
+    pshard, oshard = megatron_shardings(graph) if tp > 1 else ((), ())
+    world = pp * dp * tp
+    return ir.Plan(model=model or graph.model_name, graph_fingerprint=graph.fingerprint, num_params=graph.num_params,
+                   cluster="local-cpu", nodes=1, devices_per_node=world,
+                   global_batch=micro_batch * num_microbatches * dp, micro_batch=micro_batch,
+                   num_microbatches=num_microbatches, mesh=ir.MeshPlan(pp=pp, dp=dp, tp=tp),
+                   schedule=schedule, virtual_stages=virtual_stages, zero=zero,  # type: ignore[arg-type]
+                   stages=stages, param_shardings=pshard, op_shardings=oshard)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = fn(rank, *args)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
+    """Run ``fn(rank, *args)`` on ``world`` gloo processes (1 thread each); returns every rank's return value."""
+    with tempfile.TemporaryDirectory() as d:
+        mp.start_processes(_entry, args=(world, free_port(), fn, args, d), nprocs=world, join=True,
+                           start_method="spawn")
+        return [torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def reference_step(model_name: str, batch: int, seq: int, seed: int, lr: float) -> tuple[float, dict[str, torch.Tensor]]:
+    """Single-process loss and SGD-updated parameters (all names) for the parity tests."""
+    from examples.zoo import build
+
+    spec = build(model_name, batch=batch, device="cpu", seq=seq, seed=seed)
+    model, x, y = spec.model, spec.example_inputs, spec.make_target(batch, "cpu")  # type: ignore[misc]
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    loss = spec.loss_fn(model(*x), y)
+    loss.backward()
+    opt.step()
+    return float(loss.detach()), {k: v.detach().clone() for k, v in model.named_parameters(remove_duplicate=False)}
+
+
+def parity_worker(rank: int, configs: list[dict[str, Any]], model_name: str, batch: int, seq: int,
+                  lr: float = 1.0) -> dict[str, dict[str, float]]:
+    """For each config (make_plan kwargs + ``init``), one SGD step (lr 1: the update is the gradient itself) under the plan vs the single-process step.
+
+    Returns ``{config name: {"loss": |dloss|/loss, "param": max relative error, "loss_value": loss}}``."""
+    from examples.zoo import build
+
+    from codegen.runtime.program import build_program
+
+    ref_loss, ref_params = reference_step(model_name, batch, seq, 0, lr)
+    spec = build(model_name, batch=batch, device="cpu", seq=seq, seed=0)
+    target = spec.make_target(batch, "cpu")  # type: ignore[misc]
+    graph = ir.trace(spec.model, spec.example_inputs, frontend="fx", model_name=model_name)
+    out: dict[str, dict[str, float]] = {}
+    for cfg in configs:
+        cfg = dict(cfg)
+        name = cfg.pop("name")
+        init = cfg.pop("init", "copy")
+        dp, nmb = cfg.get("dp", 1), cfg.get("num_microbatches", 1)
+        plan = make_plan(graph, micro_batch=batch // (dp * nmb), model=model_name, **cfg)
+        src = spec if init == "copy" else build(model_name, batch=batch, device="meta", seq=seq)
+        prog = build_program(plan, src, loss_fn=spec.loss_fn, example_inputs=spec.example_inputs, graph=graph,
+                             init=init, seed=0)
+        opt = torch.optim.SGD(prog.parameters(), lr=lr)
+        loss = prog.step(spec.example_inputs, target)
+        opt.step()
+        got = prog.gathered_state_dict()
+        err, worst = 0.0, ""
+        for k, ref in ref_params.items():
+            diff = (got[k] - ref).abs() - 1e-6
+            e = float((diff / ref.abs().clamp_min(1e-12)).max().clamp_min(0))
+            if e > err:
+                err, worst = e, k
+        out[name] = {"loss": abs(loss - ref_loss) / abs(ref_loss), "param": err, "worst": worst,  # type: ignore
+                     "loss_value": loss}
+        dist.barrier()
+    return out
