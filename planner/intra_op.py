@@ -347,6 +347,8 @@ class _Model:
     mem: list[list[float]]
     out_node: int | None
     equal_pairs: list[EqualPair] = field(default_factory=list)
+    out_need: str | None = None
+    """Placement the group's output must be delivered in (R for graph outputs, or the given boundary_out)."""
 
     @property
     def n(self) -> int:
@@ -381,6 +383,8 @@ def _build(graph: Graph, group: LayerGroup, t: int, co: _Coster, boundary_in: st
                              f"tp={t}); valid: {', '.join(bplaces)}")
         bplaces = [boundary_in]
     m = _Model(nodes, strats, bplaces, bname, [], [], [], [], [], [], out_node)
+    if out_node is not None and (nodes[out_node].name in graph.outputs or boundary_out is not None):
+        m.out_need = "R" if nodes[out_node].name in graph.outputs else boundary_out
     for v, n in enumerate(nodes):
         m.comp.append([co.compute(n, s) for s in strats[v]])
         m.unary.append([_unary(graph, co, n, s, v, idx, bname, m, outs, boundary_out, group) for s in strats[v]])
@@ -562,6 +566,7 @@ def _report(graph: Graph, group: LayerGroup, t: int, co: _Coster, m: _Model, cho
     pp, split = _param_placements(graph, group, m, chosen)
     acts = _activation_report(graph, group, co, m, chosen, b_in, fwd_c, fwd_m)
     out_pl = chosen[m.out_node].output if m.out_node is not None else "R"
+    out_pl = m.out_need or out_pl  # what the next group receives (the conversion to it is charged here)
     out_b = co.tensor_bytes(m.nodes[m.out_node].outputs[0]) if m.out_node is not None else 0.0
     pm = graph.param_map
     elems = sum(pm[p].meta.numel / (t if pp.get(p, "R") != "R" else 1) for p in group.params
