@@ -1,7 +1,8 @@
 """The Plan: what the planner decided and what codegen executes, as plain frozen dataclasses with a YAML form.
 
 Placements use DTensor's notation on the ``tp`` mesh axis: ``R`` (replicated), ``S(d)`` (sharded on tensor dim d),
-``P`` (partial sums awaiting a reduction).  Parameter placements are given per parameter *pattern*: ``*`` stands for
+``P`` (partial sums awaiting a reduction); ``S(d)[k]`` shards a fused tensor made of ``k`` equal parts along ``d``
+(a fused qkv weight) so that each rank holds its slice of every part.  Parameter placements are given per parameter *pattern*: ``*`` stands for
 the index of a repeated block (``blocks.*.attn.qkv.weight``), because identical blocks share one solution.
 
 Mesh ranks are laid out with ``tp`` innermost, then ``dp``, then ``pp`` (rank = (pp_i * dp + dp_i) * tp + tp_i), so a
@@ -31,12 +32,12 @@ __all__ = [
 PLAN_SCHEMA_VERSION = 1
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 Recompute = Literal["none", "selective", "full"]
-PLACEMENT_RE = re.compile(r"^(R|P|S\(\d+\))$")
+PLACEMENT_RE = re.compile(r"^(R|P|S\(\d+\)(\[\d+\])?)$")
 
 
 def _check_placement(p: str, what: str) -> None:
     if not PLACEMENT_RE.match(p):
-        raise ValueError(f"{what}: placement must be R, P or S(<dim>), got {p!r}")
+        raise ValueError(f"{what}: placement must be R, P, S(<dim>) or S(<dim>)[<parts>], got {p!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -1,39 +1,159 @@
-"""The ``autopar`` command-line tool."""
+"""The ``autopar`` command-line tool: trace, profile, plan, show, explain, diff, run, replan."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
-from typing import Sequence
+from pathlib import Path
+from typing import Any, Sequence
 
 __all__ = ["main", "build_parser"]
 
+log = logging.getLogger(__name__)
 
-def _load_model(name: str, batch: int, seq: int | None):  # noqa: ANN202 - returns examples.zoo.ModelSpec
+
+def _spec(name: str, batch: int = 1, seq: int | None = None) -> Any:
     from examples.zoo import build
 
     return build(name, batch=batch, device="meta", seq=seq)
 
 
-def _cmd_trace(args: argparse.Namespace) -> int:
+def _trace(name: str, seq: int | None = None, frontend: str = "auto") -> Any:
     import ir
-    from rich.console import Console
+
+    spec = _spec(name, 1, seq)
+    return ir.verify(ir.trace(spec.model, spec.example_inputs, frontend=frontend, model_name=name))  # type: ignore
+
+
+def _cmd_trace(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    spec = _load_model(args.model, args.batch, args.seq)
-    graph = ir.verify(ir.trace(spec.model, spec.example_inputs, frontend=args.frontend, model_name=args.model))
+    from planner.report import _render
+
+    graph = _trace(args.model, args.seq, args.frontend)
     s = graph.summary()
-    con = Console()
-    t = Table(title=f"{args.model}: traced with {s['frontend']} (batch {args.batch})", show_header=False)
+    t = Table(title=f"{args.model}: traced with {s['frontend']} (batch 1)", show_header=False)
     t.add_row("nodes", str(s["nodes"]))
-    t.add_row("parameters", f"{s['params']:,} ({s['param_bytes'] / 2**30:.2f} GiB)")
-    t.add_row("training FLOPs / step", f"{s['train_flops']:.4g} (matmul {s['matmul_train_flops']:.4g})")
+    t.add_row("parameters", f"{s['params']:,} ({s['param_bytes'] / 2**30:.2f} GiB fp32)")
+    t.add_row("training FLOPs / sample", f"{s['train_flops']:.4g} (matmul {s['matmul_train_flops']:.4g})")
     t.add_row("layer groups", f"{s['layer_groups']} ({s['repeated_blocks']} blocks, {s['distinct_blocks']} distinct)")
     t.add_row("op kinds", ", ".join(f"{k}={v}" for k, v in s["op_kinds"].items()))
     t.add_row("unknown ops", ", ".join(s["unknown_ops"]) or "none")
     t.add_row("fingerprint", s["fingerprint"])
-    con.print(t)
+    print(_render(t), end="")
+    return 0
+
+
+def _progress_printer() -> Any:
+    from rich.progress import Progress
+
+    prog = Progress(transient=True, console=__import__("rich.console").console.Console(stderr=True))
+    task = prog.add_task("planning", total=1.0)
+    prog.start()
+
+    def update(msg: str, frac: float) -> None:
+        prog.update(task, completed=frac, description=msg)
+        if frac >= 1.0:
+            prog.stop()
+
+    return update
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from ir.plan import dump_plan
+    from planner.api import resolve_cluster
+    from planner.options import PlanOptions, parse_pins
+    from planner.report import render_plan
+    from planner.search import search
+
+    profile = resolve_cluster(args.cluster, args.nodes)
+    graph = _trace(args.model, args.seq)
+    opts = PlanOptions(global_batch=args.global_batch, pins=parse_pins(args.pin), dtype=args.dtype,
+                       top_k=args.top_k, intra_op_time_limit_s=args.time_limit, seed=args.seed)
+    result = search(graph, profile, opts, progress=None if args.quiet else _progress_printer())
+    print(render_plan(result.best, graph=graph), end="")
+    if result.alternatives:
+        print("alternatives:")
+        for i, p in enumerate(result.alternatives, 1):
+            print(f"  {i}. pp={p.mesh.pp} dp={p.mesh.dp} tp={p.mesh.tp} mb={p.micro_batch}x{p.num_microbatches} "
+                  f"{p.schedule}{'/v' + str(p.virtual_stages) if p.virtual_stages > 1 else ''} zero={p.zero} "
+                  f"recompute={'/'.join(sorted({s.recompute for s in p.stages}))}: {p.time.total:.4g} s/iter "
+                  f"({result.best.time.total / p.time.total:.2f}x of best)")
+    if args.output:
+        dump_plan(result.best, args.output)
+        print(f"wrote {args.output}")
+    return 0
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    from ir.plan import load_plan
+    from planner.report import render_plan, schedule_trace
+
+    plan = load_plan(args.plan)
+    print(render_plan(plan), end="")
+    if args.trace:
+        n = schedule_trace(plan, args.trace)
+        print(f"wrote {n} trace events to {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)")
+    if args.kernels:
+        from codegen.fusion import render_kernels
+
+        print(render_kernels(_trace(plan.model)))
+    return 0
+
+
+def _cmd_explain(args: argparse.Namespace) -> int:
+    from ir.plan import load_plan
+    from planner.report import explain_node
+
+    plan = load_plan(args.plan)
+    graph = None if args.no_alternatives else _trace(plan.model)
+    print(explain_node(plan, args.node, graph=graph))
+    return 0
+
+
+def _cmd_diff(args: argparse.Namespace) -> int:
+    from ir.plan import load_plan
+    from planner.report import diff_plans
+
+    print(diff_plans(load_plan(args.a), load_plan(args.b)), end="")
+    return 0
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from profiles.profiler import run_profile_command
+
+    prof = run_profile_command(args.output, args.ranks, args.quick, backend=args.backend, name=args.name,
+                               progress=not args.no_progress)
+    print(f"wrote {args.output}: {prof.name}, {prof.nodes} x {prof.devices_per_node} {prof.device.name}")
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from codegen.runtime.launch import run_plan
+
+    return int(run_plan(args.plan, args.model, steps=args.steps, nproc=args.nproc,
+                        extra_torchrun_args=args.torchrun_args or []))
+
+
+def _cmd_replan(args: argparse.Namespace) -> int:
+    from ir.plan import dump_plan, load_plan
+    from planner.api import resolve_cluster
+    from planner.options import PlanOptions, parse_pins
+    from planner.report import diff_plans
+    from planner.search import search
+
+    old = load_plan(args.plan)
+    graph = _trace(args.model or old.model)
+    old.check_compatible(fingerprint=graph.fingerprint)
+    profile = resolve_cluster(args.cluster or old.cluster, args.nodes)
+    pins = parse_pins(args.pin) if args.pin else {}
+    opts = PlanOptions(global_batch=args.global_batch or old.global_batch, pins=pins, dtype=old.dtype)  # type: ignore
+    new = search(graph, profile, opts).best
+    print(diff_plans(old, new), end="")
+    out = args.output or str(Path(args.plan).with_suffix("")) + f".{args.nodes}n.yaml"
+    dump_plan(new, out)
+    print(f"wrote {out}; checkpoints saved under the old plan load into it (autopar run {out} --resume DIR)")
     return 0
 
 
@@ -41,14 +161,71 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="autopar", description="Automatic parallelization planner for PyTorch training")
     p.add_argument("-v", "--verbose", action="store_true", help="log progress and details")
     sub = p.add_subparsers(dest="command", required=True)
+
     t = sub.add_parser("trace", help="trace a model into the graph IR and summarize it")
     t.add_argument("model", help="built-in model name (see `autopar models`) or 'package.module:factory'")
-    t.add_argument("--batch", type=int, default=1)
     t.add_argument("--seq", type=int, default=None)
     t.add_argument("--frontend", choices=["auto", "fx", "export"], default="auto")
     t.set_defaults(func=_cmd_trace)
+
     m = sub.add_parser("models", help="list the built-in models")
     m.set_defaults(func=lambda a: (print("\n".join(__import__("examples.zoo").zoo.list_models())), 0)[1])
+
+    pl = sub.add_parser("plan", help="search the best hybrid-parallel plan")
+    pl.add_argument("model", help="built-in model name or 'package.module:factory'")
+    pl.add_argument("--cluster", required=True, help="built-in profile (dgx-a100-80gb, dgx-h100, h200) or a YAML")
+    pl.add_argument("--nodes", type=int, default=None, help="number of nodes (default: the profile's)")
+    pl.add_argument("--global-batch", type=int, required=True)
+    pl.add_argument("--seq", type=int, default=None, help="sequence length (language models)")
+    pl.add_argument("--pin", action="append", default=[], help="fix a choice, e.g. --pin tp=8 --pin schedule=1f1b")
+    pl.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    pl.add_argument("--top-k", type=int, default=3)
+    pl.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT seconds per distinct layer solve")
+    pl.add_argument("--seed", type=int, default=0)
+    pl.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    pl.add_argument("-o", "--output", help="write the plan YAML here")
+    pl.set_defaults(func=_cmd_plan)
+
+    sh = sub.add_parser("show", help="print a plan as tables")
+    sh.add_argument("plan")
+    sh.add_argument("--trace", help="also write the simulated schedule as Chrome-trace/Perfetto JSON")
+    sh.add_argument("--kernels", action="store_true", help="also print the generated Triton kernels")
+    sh.set_defaults(func=_cmd_show)
+
+    ex = sub.add_parser("explain", help="why a node got its sharding, and what the alternatives cost")
+    ex.add_argument("plan")
+    ex.add_argument("node")
+    ex.add_argument("--no-alternatives", action="store_true", help="skip re-tracing the model")
+    ex.set_defaults(func=_cmd_explain)
+
+    df = sub.add_parser("diff", help="compare two plans")
+    df.add_argument("a")
+    df.add_argument("b")
+    df.set_defaults(func=_cmd_diff)
+
+    pr = sub.add_parser("profile", help="measure this machine into a cluster profile")
+    from profiles.profiler import build_parser as profile_args
+
+    profile_args(pr)
+    pr.set_defaults(func=_cmd_profile)
+
+    rn = sub.add_parser("run", help="run a plan with torchrun on this machine")
+    rn.add_argument("plan")
+    rn.add_argument("--model", required=True)
+    rn.add_argument("--steps", type=int, default=10)
+    rn.add_argument("--nproc", type=int, default=None, help="processes (default: the plan's world size)")
+    rn.add_argument("--torchrun-args", nargs=argparse.REMAINDER, help="passed to torchrun (e.g. --nnodes 2 ...)")
+    rn.set_defaults(func=_cmd_run)
+
+    rp = sub.add_parser("replan", help="re-plan for another cluster size")
+    rp.add_argument("plan")
+    rp.add_argument("--nodes", type=int, required=True)
+    rp.add_argument("--cluster", default=None)
+    rp.add_argument("--model", default=None)
+    rp.add_argument("--global-batch", type=int, default=None)
+    rp.add_argument("--pin", action="append", default=[])
+    rp.add_argument("-o", "--output")
+    rp.set_defaults(func=_cmd_replan)
     return p
 
 
@@ -59,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     try:
         return int(args.func(args))
-    except (AutoparError, ValueError) as e:
+    except (AutoparError, ValueError, FileNotFoundError) as e:
         print(f"autopar: error: {e}", file=sys.stderr)
         return 2
 

@@ -1,0 +1,178 @@
+"""Public entry points: :func:`plan`, :func:`auto_parallel` and the stepwise :class:`AutoParallel` behind them.
+
+``AutoParallel`` runs trace -> plan -> apply one step at a time and never mutates the caller's model::
+
+    ap = AutoParallel(model, example_inputs=(x,), cluster="dgx-a100-80gb", nodes=4, global_batch=512)
+    graph = ap.trace()          # ir.Graph (meta-device shapes, no weights touched)
+    result = ap.plan()          # SearchResult: best plan + alternatives
+    program = ap.apply()        # under torchrun: the parallel model with a training step
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+import ir
+from ir.graph import Graph
+from ir.plan import Plan, load_plan
+from planner.options import PlanOptions, parse_pins
+from planner.search import SearchResult, search
+from profiles.builtin import resolve_profile, with_nodes
+from profiles.schema import ClusterProfile
+
+__all__ = ["AutoParallel", "plan", "auto_parallel", "resolve_cluster", "in_distributed_launch"]
+
+log = logging.getLogger(__name__)
+
+
+def in_distributed_launch() -> bool:
+    """True under torchrun (or any launcher that sets WORLD_SIZE/RANK)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _measured_profile_path(ranks: int) -> Path:
+    root = Path(os.environ.get("AUTOPAR_CACHE", Path.home() / ".cache" / "autopar"))
+    return root / f"profile-{socket.gethostname()}-{ranks}.yaml"
+
+
+def resolve_cluster(cluster: str | Path | ClusterProfile | None, nodes: int | None = None) -> ClusterProfile:
+    """A cluster profile from a built-in name, a YAML path, a profile object, or (None) this machine measured.
+
+    A measured profile is cached per host and rank count (``$AUTOPAR_CACHE``, default ``~/.cache/autopar``)."""
+    if isinstance(cluster, ClusterProfile):
+        return with_nodes(cluster, nodes) if nodes else cluster
+    if cluster is not None:
+        return resolve_profile(cluster, nodes)
+    from profiles.profiler import run_profile_command
+    from profiles.schema import load_profile
+
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count() or 2))
+    path = _measured_profile_path(ranks)
+    if not path.exists():
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            log.info("no cluster given: measuring this machine (%d ranks) into %s", ranks, path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            run_profile_command(tmp, ranks, quick=True, progress=False)
+            tmp.replace(path)
+        else:
+            import time
+
+            while not path.exists():
+                time.sleep(0.5)
+    prof = load_profile(path)
+    return with_nodes(prof, nodes) if nodes else prof
+
+
+@dataclass
+class AutoParallel:
+    """Stepwise trace -> plan -> apply (see the module docstring)."""
+
+    model: torch.nn.Module
+    example_inputs: Sequence[Any]
+    global_batch: int
+    cluster: str | Path | ClusterProfile | None = None
+    nodes: int | None = None
+    loss_fn: Callable[..., torch.Tensor] | None = None
+    model_name: str = ""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Extra :class:`PlanOptions` fields (``pins``, ``dtype``, ``top_k``...)."""
+    frontend: str = "auto"
+    _graph: Graph | None = None
+    _result: SearchResult | None = None
+    _profile: ClusterProfile | None = None
+
+    def profile(self) -> ClusterProfile:
+        if self._profile is None:
+            self._profile = resolve_cluster(self.cluster, self.nodes)
+        return self._profile
+
+    def trace(self) -> Graph:
+        if self._graph is None:
+            self._graph = ir.verify(ir.trace(self.model, self.example_inputs, frontend=self.frontend,  # type: ignore
+                                             model_name=self.model_name or type(self.model).__name__))
+        return self._graph
+
+    def plan_options(self) -> PlanOptions:
+        opts = dict(self.options)
+        pins = opts.pop("pins", {})
+        if isinstance(pins, (list, tuple)):
+            pins = parse_pins(list(pins))
+        return PlanOptions(global_batch=self.global_batch, pins=pins, **opts)
+
+    def plan(self, progress: Callable[[str, float], None] | None = None) -> SearchResult:
+        if self._result is None:
+            self._result = search(self.trace(), self.profile(), self.plan_options(), progress)
+        return self._result
+
+    def apply(self, plan: Plan | str | Path | None = None, *, init: str = "copy", seed: int = 0) -> Any:
+        """Build this rank's parallel program (needs an initialized process group, e.g. under torchrun)."""
+        from codegen.runtime.program import build_program
+
+        if plan is None:
+            chosen = self.plan().best
+        elif isinstance(plan, Plan):
+            chosen = plan
+        else:
+            chosen = load_plan(plan)
+        chosen.check_compatible(fingerprint=self.trace().fingerprint,
+                                world_size=int(os.environ.get("WORLD_SIZE", chosen.world_size)))
+        if self.loss_fn is None:
+            raise ValueError("auto_parallel needs loss_fn=... to build a training step")
+        return build_program(chosen, self.model, loss_fn=self.loss_fn, example_inputs=tuple(self.example_inputs),
+                             graph=self.trace(), init=init, seed=seed)
+
+    def explain(self, node: str) -> str:
+        from planner.report import explain_node
+
+        return explain_node(self.plan().best, node, graph=self.trace())
+
+    def diff(self, other: Plan) -> str:
+        from planner.report import diff_plans
+
+        return diff_plans(self.plan().best, other)
+
+
+def plan(model: torch.nn.Module, example_inputs: Sequence[Any], *, cluster: str | Path | ClusterProfile,
+         global_batch: int, nodes: int | None = None, model_name: str = "", **options: Any) -> SearchResult:
+    """Plan ``model`` for ``cluster``: the best :class:`ir.Plan` (``.best``) and the top-k ``.alternatives``."""
+    return AutoParallel(model, example_inputs, global_batch, cluster=cluster, nodes=nodes, model_name=model_name,
+                        options=options).plan()
+
+
+def auto_parallel(model: torch.nn.Module, *, example_inputs: Sequence[Any], loss_fn: Callable[..., torch.Tensor],
+                  global_batch: int, cluster: str | Path | ClusterProfile | None = None, nodes: int | None = None,
+                  plan: Plan | str | Path | None = None, **options: Any) -> Any:
+    """One line from a model to a parallel training program.
+
+    Under torchrun: profiles this machine (``cluster=None``) or loads ``cluster``, plans (or loads ``plan``) and
+    returns the rank's parallel program (``.step(inputs, targets)``, ``.parameters()`` for any torch optimizer).
+    Without torchrun: returns the best :class:`ir.Plan` for ``cluster`` instead.  ``model`` is never mutated.
+    """
+    if in_distributed_launch():
+        world = int(os.environ["WORLD_SIZE"])
+        if plan is None:
+            prof = resolve_cluster(cluster, nodes)
+            if prof.nodes * prof.devices_per_node != world:
+                per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+                prof = replace(prof, devices_per_node=per_node, nodes=max(1, world // per_node)) \
+                    if prof.nodes == 1 else with_nodes(prof, max(1, world // prof.devices_per_node))
+            cluster = prof
+        ap = AutoParallel(model, example_inputs, global_batch, cluster=cluster, nodes=None, loss_fn=loss_fn,
+                          options=options)
+        return ap.apply(plan)
+    if cluster is None and plan is None:
+        raise ValueError("outside torchrun, auto_parallel plans for a given cluster: pass cluster='dgx-a100-80gb' "
+                         "(or a profile YAML), or launch with torchrun to run on this machine")
+    if plan is not None:
+        return plan if isinstance(plan, Plan) else load_plan(plan)
+    ap = AutoParallel(model, example_inputs, global_batch, cluster=cluster, nodes=nodes, loss_fn=loss_fn,
+                      options=options)
+    return ap.plan().best

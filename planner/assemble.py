@@ -1,0 +1,186 @@
+"""Exact evaluation of one screened candidate and its assembly into an :class:`ir.Plan`.
+
+Stages come from the memory-aware partitioner (:func:`planner.stages.partition_stages`); each pipeline rank then
+takes the least recomputation that still fits (later 1F1B stages hold fewer micro-batches, so they often need none);
+the iteration is simulated event by event (:func:`planner.schedule.simulate`).  Time is reported as
+
+    total = compute + exposed communication + bubble + optimizer step
+
+for the critical (busiest) pipeline rank, with tensor-parallel collectives counted as exposed communication (they
+sit on the critical path of every layer) and data-parallel sync only where it outlasts the last backward.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ir.graph import Graph
+from ir.plan import MemoryBreakdown, MeshPlan, OpSharding, ParamSharding, Plan, SolverReport, StagePlan, TimeBreakdown
+from planner.costing import ADAM_STEP_BYTES, group_placements, LayerTable, Screened, dp_sync_time, in_flight, reserve_for
+from planner.memory import memory_breakdown, model_state_bytes
+from planner.options import PlanOptions
+from planner.schedule import ScheduleResult, simulate
+from planner.stages import partition_stages
+from profiles.cost import CostModel
+from profiles.schema import ClusterProfile
+
+__all__ = ["build_plan", "param_patterns", "evaluate_stages"]
+
+_RC_ORDER = ("none", "selective", "full")
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def param_patterns(graph: Graph, table: LayerTable) -> tuple[ParamSharding, ...]:
+    """Sharded parameters as patterns, ``*`` standing for the block index of repeated blocks."""
+    out: dict[str, str] = {}
+    for group, sol in zip(graph.layers, table.solutions):
+        for fqn, placement in group_placements(graph, group, sol).items():
+            if placement == "R":
+                continue
+            pat = fqn
+            if group.role == "block" and group.module_path and fqn.startswith(group.module_path + "."):
+                head, _, idx = group.module_path.rpartition(".")
+                pat = (head + "." if head else "") + "*" + fqn[len(group.module_path):]
+            out.setdefault(pat, placement)
+    return tuple(ParamSharding(pattern=k, placement=v) for k, v in sorted(out.items()))
+
+
+def _op_shardings(graph: Graph, table: LayerTable) -> tuple[OpSharding, ...]:
+    seen: set[str] = set()
+    ops: list[OpSharding] = []
+    for group, sol in zip(graph.layers, table.solutions):
+        key = f"{group.role}:{group.structural_hash}"
+        if key in seen:
+            continue
+        seen.add(key)
+        ops.extend(sol.op_shardings)
+    return tuple(ops)
+
+
+def _rank_params(table: LayerTable, chunks: Sequence[tuple[int, int]], n: int) -> float:
+    params = sum(sum(table.params[a:b]) for a, b in chunks)
+    if any(a == 0 for a, _ in chunks) and any(b == n for _, b in chunks):
+        params -= table.shared_params
+    return params
+
+
+def _rank_memory(table: LayerTable, chunks: Sequence[tuple[int, int]], rc: str, flights: float, s: Screened,
+                 cost: CostModel, mixed: bool, n: int) -> MemoryBreakdown:
+    acts = sum(sum(table.act[rc][a:b]) for a, b in chunks) * flights
+    if rc == "full":
+        acts += max(max(table.act_none[a:b]) for a, b in chunks)
+    return memory_breakdown(param_elems=_rank_params(table, chunks, n), zero=s.cand.zero, dp=s.cand.dp,
+                            mixed_precision=mixed, activations=acts, capacity=cost.profile.device.memory_bytes,
+                            largest_layer_elems=max(max(table.params[a:b]) for a, b in chunks),
+                            reserve=reserve_for(cost))
+
+
+def evaluate_stages(table: LayerTable, s: Screened, cost: CostModel, options: PlanOptions,
+                    chunks: Sequence[tuple[int, int]], p2p_intra: bool
+                    ) -> tuple[ScheduleResult, list[str], list[MemoryBreakdown], list[float]] | None:
+    """Per-rank recompute choice, memory and the simulated schedule for fixed stage boundaries."""
+    c = s.cand
+    pp, n = c.pp, len(table.fwd)
+    mixed = options.dtype != "float32"
+    flights = in_flight(c.schedule, pp, c.num_microbatches, c.virtual_stages)
+    allowed = _RC_ORDER[: _RC_ORDER.index(c.recompute) + 1]
+    if options.pins.get("recompute") is not None:
+        allowed = (c.recompute,)
+    rcs, mems = [], []
+    for r in range(pp):
+        mine = list(chunks[r::pp])
+        for rc in allowed:
+            mem = _rank_memory(table, mine, rc, flights[r], s, cost, mixed, n)
+            if mem.total <= mem.capacity:
+                break
+        else:
+            return None
+        rcs.append(rc)
+        mems.append(mem)
+    fwd, bwd, tp_comm = [], [], [0.0] * pp
+    for k, (a, b) in enumerate(chunks):
+        rc = rcs[k % pp]
+        fwd.append(sum(table.fwd[a:b]))
+        bwd.append(sum(table.bwd[a:b]) + sum(table.recompute_fwd[rc][a:b]))
+        tp_comm[k % pp] += sum(sol.fwd_comm_s + sol.bwd_comm_s for sol in table.solutions[a:b])
+    p2p = [cost.p2p_time(table.out_bytes[b - 1], intra_node=p2p_intra) for _, b in chunks[:-1]]
+    item = _ITEMSIZE.get(options.dtype, 4)
+    sync, opt = [], 0.0
+    for r in range(pp):
+        params = _rank_params(table, list(chunks[r::pp]), n)
+        t = dp_sync_time(cost, params * item, c.dp, c.tp, c.zero)
+        if c.zero == 3 and c.dp > 1:
+            span = cost.span(c.dp, c.tp)
+            t += 2 * c.num_microbatches * cost.collective_time("all_gather", params * item, span=span)
+        sync.append(t)
+        opt = max(opt, params * ADAM_STEP_BYTES / (c.dp if c.zero >= 1 else 1)
+                  / cost.profile.device.memory_bandwidth)
+    sim = simulate(fwd, bwd, pp=pp, num_microbatches=c.num_microbatches, schedule=c.schedule,  # type: ignore[arg-type]
+                   virtual_stages=c.virtual_stages, p2p=p2p if p2p else 0.0, dp_sync=sync, optimizer_s=opt)
+    return sim, rcs, mems, [x * c.num_microbatches for x in tp_comm]
+
+
+def build_plan(graph: Graph, profile: ClusterProfile, options: PlanOptions, s: Screened, table: LayerTable,
+               cost: CostModel) -> Plan | None:
+    """The exact plan for a screened candidate, or None if its exact memory check fails."""
+    c = s.cand
+    dpn = profile.devices_per_node
+    p2p_intra = c.dp * c.tp * c.pp <= dpn
+    mixed = options.dtype != "float32"
+    reserve = reserve_for(cost)
+    flights = in_flight(c.schedule, c.pp, c.num_microbatches, c.virtual_stages)
+    act_frac = 1 + reserve.fragmentation
+    part = partition_stages(
+        table.time(c.recompute),
+        [sum(model_state_bytes(p, zero=c.zero, dp=c.dp, mixed_precision=mixed)) for p in table.params],
+        [a * act_frac for a in table.act[c.recompute]], list(table.out_bytes), pp=c.pp,
+        capacity=max(profile.device.memory_bytes - reserve.fixed_bytes, 0.0), virtual_stages=c.virtual_stages,
+        p2p=lambda nbytes, k: cost.p2p_time(nbytes, intra_node=p2p_intra),
+        in_flight=lambda k: flights[k % c.pp])
+    chunks = list(part.boundaries) if part.feasible else list(s.chunks)
+    got = evaluate_stages(table, s, cost, options, chunks, p2p_intra)
+    if got is None and part.feasible and list(s.chunks) != chunks:
+        chunks = list(s.chunks)
+        got = evaluate_stages(table, s, cost, options, chunks, p2p_intra)
+    if got is None:
+        return None
+    sim, rcs, mems, tp_comm = got
+    crit = max(range(c.pp), key=lambda r: sim.busy_s[r])
+    busy = sim.busy_s[crit]
+    exposed = tp_comm[crit] + (max(sim.rank_end_s) - sim.pipeline_s)
+    tb = TimeBreakdown(compute=busy - tp_comm[crit], exposed_comm=exposed, bubble=sim.bubble_s,
+                       optimizer=sim.optimizer_s)
+    stages = []
+    for k, (a, b) in enumerate(chunks):
+        names = tuple("<prefix>" if g.role == "prefix" else "<suffix>" if g.role == "suffix" else
+                      (g.module_path or "<whole>") for g in graph.layers[a:b])
+        rc = rcs[k % c.pp]
+        stages.append(StagePlan(index=k, layer_start=a, layer_end=b, modules=names, recompute=rc,  # type: ignore
+                                fwd_s=sum(table.fwd[a:b]),
+                                bwd_s=sum(table.bwd[a:b]) + sum(table.recompute_fwd[rc][a:b]),
+                                memory=mems[k % c.pp]))
+    total = tb.total
+    from planner.search import graph_batch  # local: search imports this module
+    per_sample = graph.flops() / graph_batch(graph)
+    world = profile.nodes * dpn
+    tflops = per_sample * options.global_batch / total / world / 1e12
+    peak = profile.device.peak_flops.get(options.dtype) or max(profile.device.peak_flops.values())
+    notes = []
+    if table.status != "optimal":
+        notes.append(f"intra-op solve status {table.status}, optimality gap {table.gap:.2%}")
+    if c.zero in (1, 2):
+        notes.append("FSDP2 realizes ZeRO-1/2 as full sharding without resharding after forward")
+    return Plan(
+        model=graph.model_name, graph_fingerprint=graph.fingerprint, num_params=graph.num_params,
+        cluster=profile.name, nodes=profile.nodes, devices_per_node=dpn, global_batch=options.global_batch,
+        micro_batch=c.micro_batch, num_microbatches=c.num_microbatches,
+        mesh=MeshPlan(pp=c.pp, dp=c.dp, tp=c.tp),
+        schedule=c.schedule, virtual_stages=c.virtual_stages, zero=c.zero, dtype=options.dtype,  # type: ignore
+        stages=tuple(stages), param_shardings=param_patterns(graph, table),
+        op_shardings=_op_shardings(graph, table), time=tb, samples_per_s=options.global_batch / total,
+        tflops_per_device=tflops, mfu=tflops * 1e12 / peak, fused_kernels=options.fused_kernels,
+        pins=tuple(f"{k}={v}" for k, v in sorted(options.pins.items())),
+        solver=SolverReport(status="optimal" if table.status == "optimal" else "feasible",  # type: ignore
+                            objective_s=total, best_bound_s=total * (1 - table.gap), gap=table.gap,
+                            wall_s=table.solve_s, seed=options.seed, workers=options.workers),
+        notes=tuple(notes))

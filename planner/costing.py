@@ -1,0 +1,261 @@
+"""Per-candidate costing for the outer search: layer tables, analytic screening, exact evaluation.
+
+A *candidate* fixes the mesh ``(pp, dp, tp)``, the micro-batch size and count, the schedule (and virtual stages), the
+ZeRO level and a recompute mode.  The intra-op solver gives, for one ``(tp, micro_batch)`` pair, every layer group's
+forward/backward time (tp communication included), saved activation bytes under each recompute mode and parameter
+elements per device: a :class:`LayerTable`.  Screening then costs a candidate in microseconds with closed forms:
+
+* stages: the min-max contiguous partition of the group times into ``pp * v`` chunks (binary search on the
+  bottleneck + greedy fill, exact for non-negative weights);
+* pipeline time (Narayanan et al. SC'21): ``(m - 1) * R + sum_k (f_k + b_k)`` for GPipe/1F1B and
+  ``m * R + (pp - 1) * R / v`` for interleaved 1F1B, ``R`` the busiest rank's time per micro-batch, plus
+  ``2 (K - 1)`` activation transfers on the fill/drain critical path;
+* data-parallel sync overlapped with the last micro-batch's backward; ZeRO-3 re-gathers parameters every micro-batch;
+* memory per rank from :mod:`planner.memory` with the schedule's in-flight micro-batches.
+
+The best screened candidates are then evaluated exactly: memory-aware stage partition (:mod:`planner.stages`) and the
+event-driven schedule simulation (:mod:`planner.schedule`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ir.graph import Graph, LayerGroup
+from planner.intra_op import GroupSolution
+from planner.memory import GiB, MemoryReserve, in_flight_microbatches, memory_breakdown
+from profiles.cost import CostModel
+
+__all__ = ["LayerTable", "Candidate", "Screened", "layer_table", "minmax_partition", "screen", "ADAM_STEP_BYTES",
+           "group_placements", "in_flight", "reserve_for", "dp_sync_time", "rank_chunks", "divisors"]
+
+ADAM_STEP_BYTES = 28.0
+"""Bytes an Adam step moves per parameter: fp32 master, m and v read+written (24) + gradient read + param write."""
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class LayerTable:
+    """Per layer group numbers for one ``(tp, micro_batch)``; lists are indexed by group."""
+
+    tp: int
+    micro_batch: int
+    fwd: tuple[float, ...]
+    bwd: tuple[float, ...]
+    recompute_fwd: dict[str, tuple[float, ...]]
+    act: dict[str, tuple[float, ...]]
+    act_none: tuple[float, ...]
+    params: tuple[float, ...]
+    out_bytes: tuple[float, ...]
+    shared_params: float
+    """Local elements of parameters read by both the first and the last group (tied embeddings)."""
+    solutions: tuple[GroupSolution, ...]
+    gap: float
+    status: str
+    solve_s: float
+
+    def time(self, rc: str) -> list[float]:
+        r = self.recompute_fwd[rc]
+        return [f + b + x for f, b, x in zip(self.fwd, self.bwd, r)]
+
+
+def _local_elems(graph: Graph, names: tuple[str, ...], placements: dict[str, str], tp: int) -> float:
+    tot = 0.0
+    for n in names:
+        info = graph.param_map.get(n)
+        if info is None or info.kind != "param":
+            continue
+        tot += info.meta.numel / (tp if placements.get(n, "R").startswith("S") else 1)
+    return tot
+
+
+def group_placements(graph: Graph, group: LayerGroup, sol: GroupSolution) -> dict[str, str]:
+    """``sol``'s parameter placements under ``group``'s own names.
+
+    A solution reused across identical blocks names the parameters of the block it was solved on
+    (``blocks.0.mlp.fc1.weight``); rename them into ``group`` (``blocks.7.mlp.fc1.weight``).  Interleaved shardings
+    of fused weights keep their split factor (``S(0)[3]``: each rank holds its slice of every part)."""
+    src = graph.layers[sol.group_index].module_path if sol.group_index < len(graph.layers) else ""
+    own = set(group.params)
+    blocks = {g.module_path for g in graph.layers if g.role == "block" and g.module_path}
+    out: dict[str, str] = {}
+    for name, pl in sol.param_placements.items():
+        k = sol.param_split_factors.get(name, 1)
+        if k > 1 and "[" not in pl:
+            pl = f"{pl}[{k}]"
+        if name not in own and group.module_path:
+            prefix = src if src and name.startswith(src + ".") else \
+                max((b for b in blocks if name.startswith(b + ".")), key=len, default="")
+            if prefix:
+                name = group.module_path + name[len(prefix):]
+        out[name] = pl
+    return out
+
+
+def layer_table(graph: Graph, sols: tuple[GroupSolution, ...], tp: int, micro_batch: int) -> LayerTable:
+    placements: dict[str, str] = {}
+    for g, s in zip(graph.layers, sols):
+        placements.update(group_placements(graph, g, s))
+    params = tuple(_local_elems(graph, g.params, placements, tp) for g in graph.layers)
+    first, last = graph.layers[0], graph.layers[-1]
+    shared = _local_elems(graph, tuple(set(first.params) & set(last.params)), placements, tp) \
+        if len(graph.layers) > 1 else 0.0
+    zero = tuple(0.0 for _ in sols)
+    gaps = [s.gap for s in sols]
+    status = "optimal" if all(s.status == "optimal" for s in sols) else \
+        ("timeout" if any(s.status == "timeout" for s in sols) else "feasible")
+    return LayerTable(
+        tp=tp, micro_batch=micro_batch,
+        fwd=tuple(s.fwd_compute_s + s.fwd_comm_s for s in sols),
+        bwd=tuple(s.bwd_compute_s + s.bwd_comm_s for s in sols),
+        recompute_fwd={"none": zero, "selective": tuple(s.recompute_fwd_s_selective for s in sols),
+                       "full": tuple(s.recompute_fwd_s_full for s in sols)},
+        act={"none": tuple(s.act_bytes_none for s in sols),
+             "selective": tuple(s.act_bytes_selective for s in sols),
+             "full": tuple(s.act_bytes_full for s in sols)},
+        act_none=tuple(s.act_bytes_none for s in sols),
+        params=params, out_bytes=tuple(s.out_bytes for s in sols), shared_params=shared,
+        solutions=sols, gap=max(gaps) if gaps else 0.0, status=status,
+        solve_s=sum(s.wall_s for s in sols))
+
+
+def minmax_partition(times: list[float], k: int) -> list[tuple[int, int]] | None:
+    """Split ``times`` into ``k`` non-empty contiguous ranges minimizing the largest range sum (exact)."""
+    n = len(times)
+    if k > n or k < 1:
+        return None
+
+    def fill(limit: float) -> list[tuple[int, int]]:
+        out, start, acc = [], 0, 0.0
+        for i, t in enumerate(times):
+            if i > start and acc + t > limit:
+                out.append((start, i))
+                start, acc = i, 0.0
+            acc += t
+        out.append((start, n))
+        return out
+
+    lo, hi = max(times), sum(times)
+    for _ in range(100):
+        if hi - lo <= 1e-12 * max(hi, 1e-30):
+            break
+        mid = (lo + hi) / 2
+        if len(fill(mid)) <= k:
+            hi = mid
+        else:
+            lo = mid
+    best = fill(hi)
+    while len(best) < k:  # split the heaviest multi-item range: the maximum cannot grow
+        j = max((i for i, (a, b) in enumerate(best) if b - a > 1), key=lambda i: sum(times[best[i][0]:best[i][1]]))
+        a, b = best[j]
+        best[j:j + 1] = [(a, b - 1), (b - 1, b)]
+    return best
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    pp: int
+    dp: int
+    tp: int
+    micro_batch: int
+    num_microbatches: int
+    schedule: str
+    virtual_stages: int
+    zero: int
+    recompute: str
+
+
+@dataclass(frozen=True, slots=True)
+class Screened:
+    cand: Candidate
+    time_s: float
+    peak_mem: float
+    fits: bool
+    chunks: tuple[tuple[int, int], ...]
+
+
+@lru_cache(maxsize=4096)
+def in_flight(schedule: str, pp: int, m: int, v: int) -> tuple[float, ...]:
+    """Per rank: micro-batches of its stage's activations alive at the peak (from the schedule's op order)."""
+    return in_flight_microbatches(schedule, pp=pp, num_microbatches=m, virtual_stages=v)  # type: ignore[arg-type]
+
+
+def reserve_for(cost: CostModel) -> MemoryReserve:
+    """CPU processes need far less fixed reserve than a CUDA context with NCCL buffers."""
+    if "cpu" in cost.profile.device.name.lower():
+        return MemoryReserve(fixed_bytes=0.25 * GiB)
+    return MemoryReserve()
+
+
+def dp_sync_time(cost: CostModel, grad_bytes: float, dp: int, tp: int, zero: int) -> float:
+    """Gradient sync per iteration: all-reduce (ZeRO 0) or reduce-scatter + parameter all-gather (ZeRO 1-3)."""
+    if dp == 1:
+        return 0.0
+    span = cost.span(dp, tp)
+    if zero == 0:
+        return cost.collective_time("all_reduce", grad_bytes, span=span)
+    return cost.collective_time("reduce_scatter", grad_bytes, span=span) + \
+        cost.collective_time("all_gather", grad_bytes, span=span)
+
+
+def rank_chunks(chunks: list[tuple[int, int]], pp: int, rank: int) -> list[tuple[int, int]]:
+    return chunks[rank::pp]
+
+
+def screen(cand: Candidate, table: LayerTable, cost: CostModel, *, dtype: str, capacity: float,
+           p2p_intra: bool) -> Screened | None:
+    """Closed-form time and memory of a candidate (see the module docstring); None if it cannot be built."""
+    pp, v, m = cand.pp, cand.virtual_stages, cand.num_microbatches
+    times = table.time(cand.recompute)
+    k = pp * v
+    chunks = minmax_partition(times, k)
+    if chunks is None:
+        return None
+    act = table.act[cand.recompute]
+    item = _ITEMSIZE.get(dtype, 4)
+    mixed = dtype != "float32"
+    p2p = max((cost.p2p_time(table.out_bytes[b - 1], intra_node=p2p_intra) for _, b in chunks[:-1]), default=0.0)
+    n = len(times)
+    worst_end, peak = 0.0, 0.0
+    flights = in_flight(cand.schedule, pp, m, v)
+    reserve = reserve_for(cost)
+    per_rank = []
+    for r in range(pp):
+        mine = rank_chunks(chunks, pp, r)
+        t = sum(sum(times[a:b]) for a, b in mine)
+        per_rank.append(t)
+        params = sum(sum(table.params[a:b]) for a, b in mine)
+        if any(a == 0 for a, _ in mine) and any(b == n for _, b in mine):
+            params -= table.shared_params
+        acts = sum(sum(act[a:b]) for a, b in mine) * flights[r]
+        if cand.recompute == "full":
+            acts += max(max(table.act_none[a:b]) for a, b in mine)
+        largest = max(max(table.params[a:b]) for a, b in mine)
+        mem = memory_breakdown(param_elems=params, zero=cand.zero, dp=cand.dp, mixed_precision=mixed,
+                               activations=acts, capacity=capacity, largest_layer_elems=largest,
+                               reserve=reserve).total
+        peak = max(peak, mem)
+        sync = dp_sync_time(cost, params * item, cand.dp, cand.tp, cand.zero)
+        bwd_last = sum(sum(table.bwd[a:b]) for a, b in mine)
+        exposed = max(0.0, sync - bwd_last)
+        if cand.zero == 3 and cand.dp > 1:
+            span = cost.span(cand.dp, cand.tp)
+            per_mb = 2 * cost.collective_time("all_gather", params * item, span=span)
+            exposed += max(0.0, per_mb - t) * m
+        opt = params * ADAM_STEP_BYTES / (cand.dp if cand.zero >= 1 else 1) / cost.profile.device.memory_bandwidth
+        worst_end = max(worst_end, exposed + opt)
+    busiest = max(per_rank)
+    if cand.schedule == "interleaved_1f1b":
+        pipe = m * busiest + (pp - 1) * busiest / v
+    else:
+        pipe = (m - 1) * busiest + sum(times)
+    pipe += 2 * (k - 1) * p2p
+    total = pipe + worst_end
+    return Screened(cand, total, peak, peak <= capacity, tuple(chunks))
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))

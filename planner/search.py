@@ -1,0 +1,251 @@
+"""The outer search: mesh shape x micro-batching x schedule x ZeRO x recomputation, over a traced graph.
+
+For every tensor-parallel degree ``tp`` and micro-batch size, the intra-op CP-SAT solver (:mod:`planner.intra_op`)
+shards each distinct layer group once (identical blocks reuse the answer).  Every ``(pp, dp)`` split of the rest of
+the cluster, every schedule (GPipe, 1F1B, interleaved 1F1B with 2..4 virtual stages), ZeRO level 0-3 and recompute
+mode is then screened with closed forms (:mod:`planner.costing`, microseconds each); the best screened candidates are
+evaluated exactly (memory-aware stage partition, event-driven schedule simulation) and turned into :class:`ir.Plan`
+objects.  Pins (``tp=8``, ``schedule=1f1b``...) restrict the space; when nothing fits in memory the error names the
+smallest cluster (in nodes) on which the model does fit.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from ir.errors import AutoparError
+from ir.graph import Graph
+from planner.assemble import build_plan
+from planner.costing import Candidate, LayerTable, Screened, divisors, layer_table, screen
+from planner.intra_op import IntraOpOptions, solve_graph
+from planner.options import PlanOptions
+from ir.plan import Plan
+from profiles.builtin import with_nodes
+from profiles.cost import CostModel
+from profiles.schema import ClusterProfile
+
+__all__ = ["SearchResult", "PlanInfeasibleError", "search", "graph_batch"]
+
+log = logging.getLogger(__name__)
+Progress = Callable[[str, float], None]
+_EXACT = 24  # screened candidates evaluated exactly
+
+
+class PlanInfeasibleError(AutoparError):
+    """No plan fits in device memory; the message names the smallest cluster that would work."""
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    best: Plan
+    alternatives: tuple[Plan, ...]
+    screened: int
+    wall_s: float
+
+
+def graph_batch(graph: Graph) -> int:
+    """The batch size the graph was traced with (leading dim of its first input)."""
+    for name in graph.inputs:
+        shape = graph.node(name).out.shape
+        if shape:
+            return int(shape[0])
+    return 1
+
+
+def _pin(options: PlanOptions, key: str) -> int | str | None:
+    return options.pins.get(key)
+
+
+def _tp_choices(world: int, dpn: int, options: PlanOptions) -> list[int]:
+    if (t := _pin(options, "tp")) is not None:
+        return [int(t)]
+    limit = options.max_tp or min(world, 2 * dpn)
+    return [d for d in divisors(world) if d <= limit and (d & (d - 1) == 0 or d == dpn)]
+
+
+def _pp_choices(rest: int, n_groups: int, options: PlanOptions) -> list[int]:
+    if (p := _pin(options, "pp")) is not None:
+        return [int(p)] if rest % int(p) == 0 else []
+    return [d for d in divisors(rest) if d <= n_groups]
+
+
+def _mb_choices(per_replica: int, trace_batch: int, options: PlanOptions) -> list[int]:
+    if (mb := _pin(options, "micro_batch")) is not None:
+        return [int(mb)]
+    out = [d for d in divisors(per_replica) if d <= options.max_micro_batch and (d & (d - 1) == 0)]
+    if not out:
+        out = [d for d in divisors(per_replica) if d <= options.max_micro_batch] or [1]
+    return out
+
+
+def _schedules(pp: int, m: int, n_groups: int, options: PlanOptions) -> list[tuple[str, int]]:
+    pinned_s, pinned_v = _pin(options, "schedule"), _pin(options, "virtual_stages")
+    out: list[tuple[str, int]] = []
+    for s in options.schedules:
+        if pinned_s is not None and s != pinned_s:
+            continue
+        if s == "interleaved_1f1b":
+            if pp == 1 or m % pp:
+                continue
+            for v in range(2, options.max_virtual_stages + 1):
+                if pp * v <= n_groups and (pinned_v is None or v == pinned_v):
+                    out.append((s, v))
+        elif pinned_v in (None, 1):
+            if pp == 1 and s == "gpipe" and pinned_s is None:
+                continue  # identical to 1f1b without a pipeline
+            out.append((s, 1))
+    return out
+
+
+def _validate_pins(world: int, options: PlanOptions, profile: ClusterProfile) -> None:
+    prod = 1
+    for k in ("pp", "dp", "tp"):
+        v = options.pins.get(k)
+        if v is not None:
+            if world % int(v):
+                raise ValueError(f"pin {k}={v} does not divide the {world} devices of {profile.nodes} x "
+                                 f"{profile.devices_per_node}; choose a divisor of {world}")
+            prod *= int(v)
+    if all(k in options.pins for k in ("pp", "dp", "tp")) and prod != world:
+        raise ValueError(f"pins pp*dp*tp = {prod} but the cluster has {world} devices")
+    if world % prod:
+        raise ValueError(f"pinned degrees multiply to {prod}, which does not divide {world} devices")
+    dp = options.pins.get("dp")
+    if dp is not None and options.global_batch % int(dp):
+        raise ValueError(f"pin dp={dp} does not divide global batch {options.global_batch}")
+
+
+class _Tables:
+    """Intra-op solutions per (tp, micro_batch), solved lazily and cached."""
+
+    def __init__(self, graph: Graph, cost: CostModel, options: PlanOptions) -> None:
+        self.graph, self.cost, self.options = graph, cost, options
+        self.trace_batch = graph_batch(graph)
+        self._cache: dict[tuple[int, int], LayerTable] = {}
+        self.opts = IntraOpOptions(time_limit_s=options.intra_op_time_limit_s, workers=options.workers,
+                                   seed=options.seed)
+
+    def get(self, tp: int, mb: int) -> LayerTable:
+        key = (tp, mb)
+        if key not in self._cache:
+            sols = solve_graph(self.graph, tp=tp, cost=self.cost, tp_span=self.cost.span(tp, 1),
+                               dtype=self.options.dtype, micro_batch_scale=mb / self.trace_batch,
+                               options=self.opts)
+            self._cache[key] = layer_table(self.graph, tuple(sols), tp, mb)
+        return self._cache[key]
+
+
+def _screen_all(graph: Graph, profile: ClusterProfile, options: PlanOptions, tables: _Tables,
+                progress: Progress | None) -> tuple[list[Screened], int, float]:
+    cost = tables.cost
+    world, dpn = profile.nodes * profile.devices_per_node, profile.devices_per_node
+    capacity = profile.device.memory_bytes
+    n_groups = len(graph.layers)
+    out: list[Screened] = []
+    count, min_peak = 0, float("inf")
+    tps = _tp_choices(world, dpn, options)
+    for ti, tp in enumerate(tps):
+        for pp in _pp_choices(world // tp, n_groups, options):
+            dp = world // (tp * pp)
+            if (pd := _pin(options, "dp")) is not None and dp != pd:
+                continue
+            if options.global_batch % dp:
+                continue
+            per_replica = options.global_batch // dp
+            for mb in _mb_choices(per_replica, tables.trace_batch, options):
+                m = per_replica // mb
+                table = tables.get(tp, mb)
+                p2p_intra = dp * tp * pp <= dpn  # neighbouring stages are dp*tp ranks apart
+                for sched, v in _schedules(pp, m, n_groups, options):
+                    for rc in options.recompute_modes:
+                        if (pr := _pin(options, "recompute")) is not None and rc != pr:
+                            continue
+                        for zero in options.zero_levels:
+                            if (pz := _pin(options, "zero")) is not None and zero != pz:
+                                continue
+                            if zero and dp == 1 and _pin(options, "zero") is None:
+                                continue  # ZeRO without data parallelism changes nothing
+                            c = Candidate(pp, dp, tp, mb, m, sched, v, zero, rc)
+                            s = screen(c, table, cost, dtype=options.dtype, capacity=capacity,
+                                       p2p_intra=p2p_intra)
+                            count += 1
+                            if s is None:
+                                continue
+                            min_peak = min(min_peak, s.peak_mem)
+                            if s.fits:
+                                out.append(s)
+        if progress:
+            progress(f"tp={tp}: {count} candidates screened, {len(out)} fit", (ti + 1) / len(tps))
+    return out, count, min_peak
+
+
+def _smallest_fitting_nodes(graph: Graph, profile: ClusterProfile, options: PlanOptions) -> int | None:
+    """Fewest nodes (doubling) on which some memory-minimal plan fits; None beyond 16384 nodes."""
+    base = replace(options, pins={}, recompute_modes=("full",), zero_levels=(3,), schedules=("1f1b",),
+                   max_micro_batch=1, intra_op_time_limit_s=min(options.intra_op_time_limit_s, 5.0), top_k=0)
+    nodes = profile.nodes * 2
+    while nodes <= 16384:
+        prof = with_nodes(profile, nodes)
+        world = nodes * prof.devices_per_node
+        gb = max(options.global_batch, world)
+        opts = replace(base, global_batch=gb, max_tp=prof.devices_per_node)
+        tables = _Tables(graph, CostModel(prof), opts)
+        fits, _, _ = _screen_all(graph, prof, opts, tables, None)
+        if fits:
+            return nodes
+        nodes *= 2
+    return None
+
+
+def search(graph: Graph, profile: ClusterProfile, options: PlanOptions,
+           progress: Progress | None = None) -> SearchResult:
+    """Find the fastest plan that fits (see the module docstring)."""
+    t0 = time.perf_counter()
+    world = profile.nodes * profile.devices_per_node
+    _validate_pins(world, options, profile)
+    cost = CostModel(profile)
+    tables = _Tables(graph, cost, options)
+    feasible, count, min_peak = _screen_all(graph, profile, options, tables, progress)
+    if not feasible:
+        if count == 0:
+            raise ValueError(f"no candidate plan satisfies the pins {dict(options.pins)} with global batch "
+                             f"{options.global_batch} on {world} devices; relax a pin or change the batch")
+        gib = profile.device.memory_bytes / 2**30
+        msg = (f"{graph.model_name or 'the model'} does not fit on {profile.nodes} x {profile.devices_per_node} "
+               f"{profile.device.name} ({gib:.0f} GiB each) under any plan searched"
+               f"{' with pins ' + str(dict(options.pins)) if options.pins else ''}: the leanest needs "
+               f"{min_peak / 2**30:.1f} GiB per device.")
+        nodes = _smallest_fitting_nodes(graph, profile, options) if not options.pins else None
+        if nodes is not None:
+            msg += (f" The smallest cluster that fits is {nodes} nodes ({nodes * profile.devices_per_node} "
+                    f"devices): try `--nodes {nodes}`.")
+        elif options.pins:
+            msg += " Try without pins, or on more nodes."
+        raise PlanInfeasibleError(msg)
+    feasible.sort(key=lambda s: (s.time_s, s.peak_mem))
+    plans: list[Plan] = []
+    seen: set[Candidate] = set()
+    for s in feasible[: max(_EXACT, options.top_k + 1)]:
+        if s.cand in seen:
+            continue
+        seen.add(s.cand)
+        plan = build_plan(graph, profile, options, s, tables.get(s.cand.tp, s.cand.micro_batch), cost)
+        if plan is not None:
+            plans.append(plan)
+    if not plans:
+        raise PlanInfeasibleError("every screened plan failed the exact memory check; try more nodes")
+    plans.sort(key=lambda p: p.time.total)
+    wall = time.perf_counter() - t0
+    best = plans[0]
+    best = replace(best, solver=replace(best.solver, wall_s=wall, candidates=count))
+    log.info("searched %d candidates in %.2fs; best %s", count, wall, _describe(best))
+    return SearchResult(best=best, alternatives=tuple(plans[1: options.top_k + 1]), screened=count, wall_s=wall)
+
+
+def _describe(p: Plan) -> str:
+    return (f"pp={p.mesh.pp} dp={p.mesh.dp} tp={p.mesh.tp} mb={p.micro_batch}x{p.num_microbatches} {p.schedule}"
+            f"{'/v' + str(p.virtual_stages) if p.virtual_stages > 1 else ''} zero={p.zero} "
+            f"recompute={','.join(sorted({s.recompute for s in p.stages}))} {p.time.total:.4g}s")
