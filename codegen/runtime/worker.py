@@ -48,6 +48,8 @@ def _synced_time() -> float:
 
 def measure_stages(program: Any, captured: dict[int, tuple[torch.Tensor, ...]], repeats: int = 3) -> dict[int, float]:
     """Median seconds of forward + backward of one micro-batch for each local stage (collective per stage group)."""
+    from codegen.runtime.tensor_parallel import implicit_replication
+
     out: dict[int, float] = {}
     for idx, stage in zip(program.stage_indices, program.stages):
         args = captured.get(idx)
@@ -57,11 +59,12 @@ def measure_stages(program: Any, captured: dict[int, tuple[torch.Tensor, ...]], 
         for _ in range(repeats):
             ins = tuple(a.detach().requires_grad_(a.is_floating_point()) for a in args)
             t0 = time.perf_counter()
-            res = stage(*ins)
-            res = res if isinstance(res, tuple) else (res,)
-            tot = sum(r.float().sum() for r in res if isinstance(r, torch.Tensor) and r.requires_grad)
-            if isinstance(tot, torch.Tensor):
-                tot.backward()
+            with implicit_replication():  # plain tensors made inside the model meet DTensors under tp
+                res = stage(*ins)
+                res = res if isinstance(res, tuple) else (res,)
+                tot = sum(r.float().sum() for r in res if isinstance(r, torch.Tensor) and r.requires_grad)
+                if isinstance(tot, torch.Tensor):
+                    tot.backward()
             times.append(time.perf_counter() - t0)
         out[idx] = statistics.median(times)
     program_zero_grad(program)
@@ -82,8 +85,12 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     plan = ir.load_plan(args.plan)
     device = default_device()
     spec = build(args.model, batch=plan.global_batch, device="cpu", seq=args.seq, seed=args.seed)
-    meta = build(args.model, batch=plan.micro_batch, device="meta", seq=args.seq)
-    graph = ir.trace(meta.model, meta.example_inputs, frontend="fx", model_name=args.model)
+    graph = None
+    for b in dict.fromkeys((plan.micro_batch, plan.global_batch)):  # the planner may trace either batch
+        meta = build(args.model, batch=b, device="meta", seq=args.seq)
+        graph = ir.trace(meta.model, meta.example_inputs, frontend="fx", model_name=args.model)
+        if graph.fingerprint == plan.graph_fingerprint:
+            break
     src = spec if args.init == "copy" else build(args.model, batch=plan.global_batch, device="meta", seq=args.seq)
     program = build_program(plan, src, loss_fn=spec.loss_fn, example_inputs=spec.example_inputs, graph=graph,
                             device=device, init=args.init, seed=args.seed)
