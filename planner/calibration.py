@@ -52,7 +52,15 @@ def load_cases(path: Path | str = DEFAULT_CASES) -> list[dict[str, Any]]:
 
 
 def _model_name(case: dict[str, Any]) -> str:
-    return "megatron-" + case["id"].rsplit("_", 1)[-1].lower()
+    """The zoo model with the case's layers and hidden size."""
+    from examples.zoo import get_config, list_models
+
+    m = case["model"]
+    for name in list_models():
+        cfg = get_config(name)
+        if name.startswith("megatron-") and (cfg.layers, cfg.hidden) == (m["layers"], m["hidden"]):
+            return name
+    raise ValueError(f"no zoo model with {m['layers']} layers and hidden {m['hidden']} for case {case['id']}")
 
 
 def calibrate_case(case: dict[str, Any], *, search_free: bool = True, time_limit_s: float = 5.0) -> CalibrationRow:

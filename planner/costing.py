@@ -165,6 +165,8 @@ class Candidate:
     virtual_stages: int
     zero: int
     recompute: str
+    lean: bool = False
+    """Use the memory-lean intra-op sharding (parameter memory priced) instead of the fastest one."""
 
 
 @dataclass(frozen=True, slots=True)

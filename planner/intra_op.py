@@ -63,6 +63,11 @@ class IntraOpOptions:
     """CP-SAT ``random_seed``."""
     activation_budget_bytes: float | None = None
     """Cap on the activation bytes one group saves for backward (per device, per micro-batch); None = no cap."""
+    param_byte_price_s: float = 0.0
+    """Seconds charged per byte of parameter state a device holds (a Lagrangian price on memory): 0 optimizes time
+    alone; the outer search raises it to find memory-lean shardings (replicated weights cost tp times the memory)."""
+    param_state_bytes: float = 16.0
+    """Bytes of model state per parameter element priced by ``param_byte_price_s`` (mixed-precision Adam: 16)."""
 
     def __post_init__(self) -> None:
         if not self.time_limit_s > 0:
@@ -71,6 +76,8 @@ class IntraOpOptions:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         if self.activation_budget_bytes is not None and self.activation_budget_bytes < 0:
             raise ValueError(f"activation_budget_bytes must be >= 0, got {self.activation_budget_bytes}")
+        if self.param_byte_price_s < 0 or self.param_state_bytes < 0:
+            raise ValueError("param_byte_price_s and param_state_bytes must be >= 0")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -632,6 +639,28 @@ def _replicate_choices(m: _Model) -> list[int]:
     return hint
 
 
+def add_param_memory_price(graph: Graph, m: _Model, ncost: list[list[float]], tp: int, price: float) -> None:
+    """cost += price * local parameter elements: charged on the shared parameter variables (tied weights) and, for
+    every other parameter, on the strategies of the node that reads it (by the placement the strategy gives it)."""
+    def local(name: str, pl: str | None) -> float:
+        info = graph.param_map.get(name)
+        if info is None or info.kind != "param":
+            return 0.0
+        return info.meta.numel / (tp if pl is not None and pl.startswith("S") else 1)
+
+    shared = set(m.pnames)
+    seen: set[str] = set()
+    for v, n in enumerate(m.nodes):
+        mine = [(i, p) for i, p in enumerate(n.inputs) if p in n.params and p not in shared and p not in seen]
+        seen.update(p for _, p in mine)
+        if mine:
+            ncost[v] = [c + price * sum(local(p, st.inputs[i] if i < len(st.inputs) else None) for i, p in mine)
+                        for c, st in zip(ncost[v], m.strats[v])]
+    base = m.n + (1 if m.bplaces else 0)
+    for j, (name, places) in enumerate(zip(m.pnames, m.pplaces)):
+        ncost[base + j] = [c + price * local(name, pl) for c, pl in zip(ncost[base + j], places)]
+
+
 def solve_group(graph: Graph, group: LayerGroup, *, tp: int, cost: CostModel, tp_span: GroupSpan,
                 dtype: str = "bfloat16", micro_batch_scale: float = 1.0, boundary_in: str | None = None,
                 options: IntraOpOptions = IntraOpOptions(), boundary_out: str | None = None,
@@ -653,6 +682,8 @@ def solve_group(graph: Graph, group: LayerGroup, *, tp: int, cost: CostModel, tp
                dict(fixed_params or {}) if tp > 1 else {})
     hint = _replicate_choices(m)
     num, ncost, edges, mem, pairs, shared = _core_inputs(m, co, boundary_out is None and group.role == "block")
+    if options.param_byte_price_s > 0:
+        add_param_memory_price(graph, m, ncost, tp, options.param_byte_price_s * options.param_state_bytes)
     if tp == 1:
         obj = evaluate_costs(ncost, edges, hint, shared)
         core = CoreSolution(hint, obj, obj, "optimal", 0.0)
@@ -686,7 +717,8 @@ def solve_graph(graph: Graph, *, tp: int, cost: CostModel, tp_span: GroupSpan, d
     kw = dict(tp=tp, cost=cost, tp_span=tp_span, dtype=dtype, micro_batch_scale=micro_batch_scale, options=options)
 
     def run(g: LayerGroup, b_in: str | None, b_out: str | None) -> GroupSolution:
-        key = (g.structural_hash, tp, micro_batch_scale, dtype, options.activation_budget_bytes, b_in, b_out,
+        key = (g.structural_hash, tp, micro_batch_scale, dtype, options.activation_budget_bytes,
+               options.param_byte_price_s, b_in, b_out,
                tuple(sorted((p, fixed[p]) for p in g.params if p in fixed)), g.role)
         if key in cache and g.role == "block":
             return replace(cache[key], group_index=g.index)

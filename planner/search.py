@@ -32,6 +32,9 @@ __all__ = ["SearchResult", "PlanInfeasibleError", "search", "graph_batch"]
 log = logging.getLogger(__name__)
 Progress = Callable[[str, float], None]
 _EXACT = 24  # screened candidates evaluated exactly
+LEAN_PRICE_S_PER_BYTE = 1e-10
+"""Price on parameter-state bytes for the memory-lean intra-op solve: 0.1 s per GB outweighs any collective a
+replicated weight could save, so weights get sharded wherever the solver can shard them."""
 
 
 class PlanInfeasibleError(AutoparError):
@@ -124,18 +127,28 @@ class _Tables:
     def __init__(self, graph: Graph, cost: CostModel, options: PlanOptions) -> None:
         self.graph, self.cost, self.options = graph, cost, options
         self.trace_batch = graph_batch(graph)
-        self._cache: dict[tuple[int, int], LayerTable] = {}
+        self._cache: dict[tuple[int, int, bool], LayerTable] = {}
         self.opts = IntraOpOptions(time_limit_s=options.intra_op_time_limit_s, workers=options.workers,
                                    seed=options.seed)
+        self.lean_opts = replace(self.opts, param_byte_price_s=LEAN_PRICE_S_PER_BYTE,
+                                 param_state_bytes=16.0)
 
-    def get(self, tp: int, mb: int) -> LayerTable:
-        key = (tp, mb)
+    def get(self, tp: int, mb: int, lean: bool = False) -> LayerTable:
+        key = (tp, mb, lean and tp > 1)
         if key not in self._cache:
             sols = solve_graph(self.graph, tp=tp, cost=self.cost, tp_span=self.cost.span(tp, 1),
                                dtype=self.options.dtype, micro_batch_scale=mb / self.trace_batch,
-                               options=self.opts)
+                               options=self.lean_opts if key[2] else self.opts)
             self._cache[key] = layer_table(self.graph, tuple(sols), tp, mb)
         return self._cache[key]
+
+    def variants(self, tp: int, mb: int) -> list[tuple[bool, LayerTable]]:
+        """The fastest sharding and, when it differs in parameter memory, the memory-lean one."""
+        fast = self.get(tp, mb)
+        if tp == 1:
+            return [(False, fast)]
+        lean = self.get(tp, mb, True)
+        return [(False, fast)] + ([(True, lean)] if sum(lean.params) < sum(fast.params) * 0.999 else [])
 
 
 def _screen_all(graph: Graph, profile: ClusterProfile, options: PlanOptions, tables: _Tables,
@@ -157,7 +170,7 @@ def _screen_all(graph: Graph, profile: ClusterProfile, options: PlanOptions, tab
             per_replica = options.global_batch // dp
             for mb in _mb_choices(per_replica, tables.trace_batch, options):
                 m = per_replica // mb
-                table = tables.get(tp, mb)
+                variants = tables.variants(tp, mb)
                 p2p_intra = dp * tp * pp <= dpn  # neighbouring stages are dp*tp ranks apart
                 for sched, v in _schedules(pp, m, n_groups, options):
                     for rc in options.recompute_modes:
@@ -168,15 +181,16 @@ def _screen_all(graph: Graph, profile: ClusterProfile, options: PlanOptions, tab
                                 continue
                             if zero and dp == 1 and _pin(options, "zero") is None:
                                 continue  # ZeRO without data parallelism changes nothing
-                            c = Candidate(pp, dp, tp, mb, m, sched, v, zero, rc)
-                            s = screen(c, table, cost, dtype=options.dtype, capacity=capacity,
-                                       p2p_intra=p2p_intra)
-                            count += 1
-                            if s is None:
-                                continue
-                            min_peak = min(min_peak, s.peak_mem)
-                            if s.fits:
-                                out.append(s)
+                            for lean, table in variants:
+                                c = Candidate(pp, dp, tp, mb, m, sched, v, zero, rc, lean)
+                                s = screen(c, table, cost, dtype=options.dtype, capacity=capacity,
+                                           p2p_intra=p2p_intra)
+                                count += 1
+                                if s is None:
+                                    continue
+                                min_peak = min(min_peak, s.peak_mem)
+                                if s.fits:
+                                    out.append(s)
         if progress:
             progress(f"tp={tp}: {count} candidates screened, {len(out)} fit", (ti + 1) / len(tps))
     return out, count, min_peak
@@ -232,7 +246,7 @@ def search(graph: Graph, profile: ClusterProfile, options: PlanOptions,
         if s.cand in seen:
             continue
         seen.add(s.cand)
-        plan = build_plan(graph, profile, options, s, tables.get(s.cand.tp, s.cand.micro_batch), cost)
+        plan = build_plan(graph, profile, options, s, tables.get(s.cand.tp, s.cand.micro_batch, s.cand.lean), cost)
         if plan is not None:
             plans.append(plan)
     if not plans:
