@@ -1,1 +1,1 @@
-"""codegen"""
+"""codegen: doing the plan -- the torch.distributed runtime (:mod:`codegen.runtime`) and fused Triton kernels."""
