@@ -1,10 +1,10 @@
-"""Train a tiny GPT with a hybrid-parallel plan on 4 processes.
+"""Train a tiny GPT with the plan autopar picks for this machine, on 4 processes.
 
     torchrun --nproc-per-node 4 examples/auto_parallel_torchrun.py [--steps 5] [--model gpt-tiny]
 
-The plan here is made by hand (pp=1, dp=2, tp=2, ZeRO-3 with Megatron shardings) through
-``codegen.runtime.testing.make_plan``; once ``planner.auto_parallel`` exists this becomes its one-liner.  Run without
-torchrun, the script prints the plan it would execute.
+The one line that matters is ``auto_parallel(...)``: it profiles this machine (cached under ~/.cache/autopar), plans
+for the 4 ranks, and returns this rank's parallel program.  Run without torchrun, the script prints the plan that
+autopar would pick for a DGX A100 node instead.
 """
 
 from __future__ import annotations
@@ -20,10 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import ir  # noqa: E402
-from codegen.runtime.program import build_program  # noqa: E402
-from codegen.runtime.testing import make_plan  # noqa: E402
 from examples.zoo import build  # noqa: E402
+from ir.plan import plan_to_yaml  # noqa: E402
+from planner import auto_parallel  # noqa: E402
 
 log = logging.getLogger("auto_parallel_torchrun")
 
@@ -36,16 +35,16 @@ def main() -> int:
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(1)
-    meta = build(args.model, batch=args.batch // 2, device="meta")
-    graph = ir.trace(meta.model, meta.example_inputs, frontend="fx", model_name=args.model)
-    plan = make_plan(graph, dp=2, tp=2, zero=3, micro_batch=args.batch // 2, model=args.model)
+    spec = build(args.model, batch=args.batch, device="cpu", seed=0)
     if "RANK" not in os.environ:
-        sys.stdout.write(ir.plan_to_yaml(plan))
+        plan = auto_parallel(spec.model, example_inputs=spec.example_inputs, loss_fn=spec.loss_fn,
+                             global_batch=args.batch, cluster="dgx-a100-80gb", nodes=1)
+        sys.stdout.write(plan_to_yaml(plan))
         return 0
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     try:
-        spec = build(args.model, batch=args.batch, device="cpu", seed=0)
-        program = build_program(plan, spec, graph=graph, init="copy")
+        program = auto_parallel(spec.model, example_inputs=spec.example_inputs, loss_fn=spec.loss_fn,
+                                global_batch=args.batch, dtype="float32")
         opt = torch.optim.AdamW(program.parameters(), lr=1e-3)
         target = spec.make_target(args.batch, "cpu")
         for step in range(args.steps):
@@ -53,7 +52,8 @@ def main() -> int:
             opt.step()
             opt.zero_grad()
             if dist.get_rank() == 0:
-                log.info("step %d loss %.4f", step, loss)
+                log.info("step %d loss %.4f (plan: pp=%d dp=%d tp=%d)", step, loss, program.plan.mesh.pp,
+                         program.plan.mesh.dp, program.plan.mesh.tp)
     finally:
         dist.destroy_process_group()
     return 0

@@ -1,3 +1,11 @@
-"""autopar's planner: the search over hybrid parallel plans, and the public entry points."""
+"""autopar's planner: the search over hybrid parallel plans, and the public entry points.
 
-__all__: list[str] = []
+    from planner import auto_parallel, plan
+"""
+
+from planner.api import AutoParallel, auto_parallel, plan
+from planner.options import PlanOptions, parse_pins
+from planner.search import PlanInfeasibleError, SearchResult, search
+
+__all__ = ["AutoParallel", "auto_parallel", "plan", "PlanOptions", "parse_pins", "PlanInfeasibleError",
+           "SearchResult", "search"]

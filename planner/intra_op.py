@@ -691,7 +691,7 @@ def solve_group(graph: Graph, group: LayerGroup, *, tp: int, cost: CostModel, tp
         core = solve_costs(num, ncost, edges, mem=mem, budget=options.activation_budget_bytes, equal_pairs=pairs,
                            shared=shared, hint=hint, options=options)
     wall = time.perf_counter() - t0
-    log.info("group %d (%s): tp=%d %s objective %.3g s gap %.3g in %.2f s", group.index, group.module_path, tp,
+    log.debug("group %d (%s): tp=%d %s objective %.3g s gap %.3g in %.2f s", group.index, group.module_path, tp,
              core.status, core.objective, core.gap, wall)
     return _report(graph, group, tp, co, m, core.choices, core, wall)
 
