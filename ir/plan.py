@@ -276,6 +276,8 @@ def plan_from_yaml(text: str) -> Plan:
         data: Any = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise SchemaError("", f"not valid YAML ({str(e).splitlines()[0]})", doc="plan") from None
+    except RecursionError:
+        raise SchemaError("", "YAML nested too deeply to be a plan", doc="plan") from None
     if isinstance(data, dict) and "schema_version" in data and data["schema_version"] != PLAN_SCHEMA_VERSION:
         raise SchemaError("schema_version", f"version {data['schema_version']!r} is not supported (this autopar "
                           f"reads version {PLAN_SCHEMA_VERSION})", doc="plan")

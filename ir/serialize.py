@@ -103,9 +103,13 @@ def _convert(tp: Any, value: Any, path: str, doc: str) -> Any:
             raise SchemaError(path, f"expected an integer, got {value!r}", doc=doc)
         return value
     if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        try:
+            f = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+        except OverflowError:  # an int beyond float range
+            f = math.nan
+        if not math.isfinite(f):
             raise SchemaError(path, f"expected a finite number, got {value!r}", doc=doc)
-        return float(value)
+        return f
     if tp is str:
         if not isinstance(value, str):
             raise SchemaError(path, f"expected a string, got {value!r}", doc=doc)
@@ -122,7 +126,8 @@ def from_data(cls: type[T], data: Any, *, path: str = "", doc: str = "document")
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
     unknown = [k for k in data if k not in fields]
     if unknown:
-        raise SchemaError(f"{path}.{unknown[0]}" if path else str(unknown[0]), "unknown field", doc=doc)
+        key = str(unknown[0]) or "''"
+        raise SchemaError(f"{path}.{key}" if path else key, "unknown field", doc=doc)
     kwargs: dict[str, Any] = {}
     for name, f in fields.items():
         sub = f"{path}.{name}" if path else name

@@ -189,9 +189,12 @@ def _join(path: str, key: str) -> str:
 
 
 def _num(v: Any, path: str, *, positive: bool = True, allow_zero: bool = False) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
+    try:
+        x = float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
+    except OverflowError:  # an int beyond float range
+        x = math.nan
+    if not math.isfinite(x):
         raise _fail(path, f"expected a {'positive ' if positive else ''}number, got {v!r}")
-    x = float(v)
     if positive and (x < 0 or (x == 0 and not allow_zero)):
         kind = "non-negative" if allow_zero else "positive"
         raise _fail(path, f"expected a {kind} number, got {v!r}")
@@ -394,6 +397,8 @@ def loads_profile(text: str, *, origin: str = "<string>") -> ClusterProfile:
         data = yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as e:
         raise ProfileError(f"{origin}: not valid YAML: {e}") from e
+    except RecursionError:
+        raise ProfileError(f"{origin}: YAML nested too deeply to be a profile") from None
     return profile_from_dict(data)
 
 
