@@ -12,6 +12,7 @@ sit on the critical path of every layer) and data-parallel sync only where it ou
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
 from ir.graph import Graph
@@ -115,8 +116,13 @@ def evaluate_stages(table: LayerTable, s: Screened, cost: CostModel, options: Pl
         sync.append(t)
         opt = max(opt, params * ADAM_STEP_BYTES / (c.dp if c.zero >= 1 else 1)
                   / cost.profile.device.memory_bandwidth)
+    overlap = options.overlap_grad_sync
     sim = simulate(fwd, bwd, pp=pp, num_microbatches=c.num_microbatches, schedule=c.schedule,  # type: ignore[arg-type]
-                   virtual_stages=c.virtual_stages, p2p=p2p if p2p else 0.0, dp_sync=sync, optimizer_s=opt)
+                   virtual_stages=c.virtual_stages, p2p=p2p if p2p else 0.0, dp_sync=sync if overlap else 0.0,
+                   optimizer_s=opt)
+    if not overlap:  # the sync runs after each rank's last backward: the slowest rank's end moves by its sync
+        ends = tuple(e + s for e, s in zip(sim.rank_end_s, sync))
+        sim = replace(sim, rank_end_s=ends, exposed_sync_s=tuple(sync), iteration_s=max(ends) + opt)
     return sim, rcs, mems, [x * c.num_microbatches for x in tp_comm]
 
 

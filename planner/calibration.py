@@ -8,9 +8,11 @@ Each case gives a model, a cluster, the plan that was run and the measured throu
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+import torch
 
 import ir
 from ir.passes import decompose_attention
@@ -64,14 +66,17 @@ def _model_name(case: dict[str, Any]) -> str:
 
 
 def calibrate_case(case: dict[str, Any], *, search_free: bool = True, time_limit_s: float = 5.0) -> CalibrationRow:
-    from examples.zoo import build
+    from examples.zoo import GPT, get_config
 
     m, cl, pl = case["model"], case["cluster"], case["plan"]
     name = _model_name(case)
-    spec = build(name, batch=1, device="meta", seq=m["seq"])
-    # Megatron-LM (2021) materialized attention scores (fused scale-mask-softmax, attention dropout 0.1): cost the
-    # attention the way it ran, not as flash attention
-    graph = decompose_attention(ir.trace(spec.model, spec.example_inputs, model_name=name), dropout_p=0.1)
+    # the model as Megatron-LM trained it: hidden and attention dropout 0.1, attention scores materialized (fused
+    # scale-mask-softmax, no flash attention in 2021)
+    cfg = replace(get_config(name), seq=m["seq"], dropout=0.1)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    tokens = torch.empty((1, m["seq"]), dtype=torch.long, device="meta")
+    graph = decompose_attention(ir.trace(model, (tokens,), model_name=name), dropout_p=0.1)
     nodes = cl["gpus"] // cl["gpus_per_node"]
     profile = load_builtin(_GPU_PROFILE[cl["gpu"]], nodes=nodes)
     v = pl.get("virtual_stages") or 1
@@ -81,13 +86,15 @@ def calibrate_case(case: dict[str, Any], *, search_free: bool = True, time_limit
     dtype = _DTYPE[pl["precision"]]
     gb = case["global_batch"]
     flops = megatron_flops(gb, m["seq"], m["layers"], m["hidden"], m["vocab"])
+    # Megatron-LM (2021) all-reduced gradients after the backward pass, without overlap
     opts = PlanOptions(global_batch=gb, pins=pins, dtype=dtype, top_k=0,  # type: ignore[arg-type]
-                       intra_op_time_limit_s=time_limit_s)
+                       intra_op_time_limit_s=time_limit_s, overlap_grad_sync=False)
     published = search(graph, profile, opts).best
     pred = flops / published.time.total / cl["gpus"] / 1e12
     planner_plan, planner_tflops = None, float("nan")
     if search_free:
-        free = PlanOptions(global_batch=gb, dtype=dtype, top_k=0, intra_op_time_limit_s=time_limit_s)  # type: ignore
+        free = PlanOptions(global_batch=gb, dtype=dtype, top_k=0, intra_op_time_limit_s=time_limit_s,  # type: ignore
+                           overlap_grad_sync=False)
         planner_plan = search(graph, profile, free).best
         planner_tflops = flops / planner_plan.time.total / cl["gpus"] / 1e12
     return CalibrationRow(case["id"], cl["gpus"], case["measured"]["tflops_per_gpu"], pred, planner_tflops,

@@ -207,7 +207,7 @@ def rank_chunks(chunks: list[tuple[int, int]], pp: int, rank: int) -> list[tuple
 
 
 def screen(cand: Candidate, table: LayerTable, cost: CostModel, *, dtype: str, capacity: float,
-           p2p_intra: bool) -> Screened | None:
+           p2p_intra: bool, overlap_grad_sync: bool = True) -> Screened | None:
     """Closed-form time and memory of a candidate (see the module docstring); None if it cannot be built."""
     pp, v, m = cand.pp, cand.virtual_stages, cand.num_microbatches
     times = table.time(cand.recompute)
@@ -241,7 +241,7 @@ def screen(cand: Candidate, table: LayerTable, cost: CostModel, *, dtype: str, c
         peak = max(peak, mem)
         sync = dp_sync_time(cost, params * item, cand.dp, cand.tp, cand.zero)
         bwd_last = sum(sum(table.bwd[a:b]) for a, b in mine)
-        exposed = max(0.0, sync - bwd_last)
+        exposed = max(0.0, sync - bwd_last) if overlap_grad_sync else sync
         if cand.zero == 3 and cand.dp > 1:
             span = cost.span(cand.dp, cand.tp)
             per_mb = 2 * cost.collective_time("all_gather", params * item, span=span)

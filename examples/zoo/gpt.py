@@ -37,6 +37,7 @@ class GPTConfig:
     vocab: vocabulary size (V).
     ffn_mult: MLP expansion factor (4 in GPT-2/GPT-3/Megatron).
     tied: tie ``lm_head.weight`` to ``wte.weight``.
+    dropout: hidden and attention-probability dropout (Megatron-LM trains GPT with 0.1); 0 builds no dropout ops.
     """
 
     layers: int
@@ -46,11 +47,14 @@ class GPTConfig:
     vocab: int
     ffn_mult: int = 4
     tied: bool = True
+    dropout: float = 0.0
 
     def __post_init__(self) -> None:
         for field in ("layers", "hidden", "heads", "seq", "vocab", "ffn_mult"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"GPTConfig.{field} must be positive, got {getattr(self, field)}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
         if self.hidden % self.heads:
             raise ValueError(f"GPTConfig.hidden ({self.hidden}) must be divisible by heads ({self.heads})")
 
@@ -83,6 +87,7 @@ class CausalSelfAttention(nn.Module):
         self.n_head = cfg.heads
         self.head_dim = cfg.head_dim
         self.hidden = cfg.hidden
+        self.dropout = cfg.dropout
         self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
         self.proj = nn.Linear(cfg.hidden, cfg.hidden)
 
@@ -90,7 +95,11 @@ class CausalSelfAttention(nn.Module):
         b, s = x.size(0), x.size(1)
         qkv = self.qkv(x).view(b, s, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv[0], qkv[1], qkv[2]  # each [b, n_head, s, head_dim]
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.dropout > 0:  # a config choice, fixed at trace time
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               dropout_p=self.dropout if self.training else 0.0)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         y = y.transpose(1, 2).reshape(b, s, self.hidden)
         return self.proj(y)
 
@@ -108,7 +117,7 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LN transformer block: x + attn(ln1(x)), then x + mlp(ln2(x))."""
+    """Pre-LN transformer block: x + drop(attn(ln1(x))), then x + drop(mlp(ln2(x)))."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -116,8 +125,12 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.hidden)
         self.mlp = MLP(cfg.hidden, cfg.ffn_mult * cfg.hidden)
+        self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dropout > 0:  # a config choice, fixed at trace time: no dropout op at all when it is 0
+            x = x + F.dropout(self.attn(self.ln1(x)), self.dropout, self.training)
+            return x + F.dropout(self.mlp(self.ln2(x)), self.dropout, self.training)
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 
