@@ -41,7 +41,7 @@ from planner.strategies import (FLOAT_DTYPES, SavedTensor, Strategy, input_meta,
 from profiles.cost import CostModel, GroupSpan
 
 __all__ = ["IntraOpOptions", "GroupSolution", "CoreSolution", "solve_costs", "evaluate_costs", "solve_group",
-           "solve_graph", "add_one_choice_constraint", "add_edge_constraint", "add_equal_constraint",
+           "solve_graph", "strategy_costs", "add_one_choice_constraint", "add_edge_constraint", "add_equal_constraint",
            "add_memory_constraint", "add_shared_cost_constraint"]
 
 log = logging.getLogger(__name__)
@@ -694,6 +694,19 @@ def solve_group(graph: Graph, group: LayerGroup, *, tp: int, cost: CostModel, tp
     log.debug("group %d (%s): tp=%d %s objective %.3g s gap %.3g in %.2f s", group.index, group.module_path, tp,
              core.status, core.objective, core.gap, wall)
     return _report(graph, group, tp, co, m, core.choices, core, wall)
+
+
+def strategy_costs(graph: Graph, node: Node, *, tp: int, cost: CostModel, tp_span: GroupSpan,
+                   dtype: str = "bfloat16", micro_batch_scale: float = 1.0
+                   ) -> list[tuple[Strategy, float, float, float]]:
+    """Every strategy of ``node`` with its forward time, backward time and weight-gradient all-reduce time, per
+    device per micro-batch, as the solver costs them (``autopar explain`` lists these as the alternatives)."""
+    co = _Coster(graph, cost, tp_span, tp, dtype, micro_batch_scale)
+    out = []
+    for st in strategies_for(graph, node, tp):
+        f, b = co.compute(node, st)
+        out.append((st, f, b, co.grad_allreduce(st)))
+    return out
 
 
 def solve_graph(graph: Graph, *, tp: int, cost: CostModel, tp_span: GroupSpan, dtype: str = "bfloat16",

@@ -91,16 +91,17 @@ def render_plan(plan: Plan, *, graph: Graph | None = None, width: int = 120) -> 
         tt.add_column(c, justify="right")
     tot = t.total or 1.0
     tt.add_row(*(f"{fmt_time(v)} ({v / tot:.0%})" for v in (t.compute, t.exposed_comm, t.bubble, t.optimizer)))
-    st = Table(title="stages (per device)")
-    for c in ("stage", "layers", "recompute", "fwd/mb", "bwd/mb", "params", "grads", "optim", "activ", "other",
-              "total", "of"):
-        st.add_column(c, justify="right" if c not in ("layers", "recompute") else "left")
+    st = Table(title="stages (memory per device of the stage's pipeline rank)")
+    for c in ("stage", "rank", "layers", "recompute", "fwd/mb", "bwd/mb", "model state", "activations", "other",
+              "total"):
+        st.add_column(c, justify="left" if c in ("layers", "recompute") else "right",
+                      no_wrap=c in ("layers", "recompute", "fwd/mb", "bwd/mb", "model state", "activations", "other", "total"))
     for sp in plan.stages:
         mem = sp.memory
-        st.add_row(str(sp.index), _ranges(sp.modules), sp.recompute, fmt_time(sp.fwd_s), fmt_time(sp.bwd_s),
-                   fmt_bytes(mem.params), fmt_bytes(mem.grads), fmt_bytes(mem.optimizer), fmt_bytes(mem.activations),
-                   fmt_bytes(mem.other), fmt_bytes(mem.total), f"{mem.total / mem.capacity:.0%}"
-                   if mem.capacity else "-")
+        share = f" ({mem.total / mem.capacity:.0%})" if mem.capacity else ""
+        st.add_row(str(sp.index), str(sp.index % m.pp), _ranges(sp.modules), sp.recompute, fmt_time(sp.fwd_s),
+                   fmt_time(sp.bwd_s), fmt_bytes(mem.params + mem.grads + mem.optimizer),
+                   fmt_bytes(mem.activations), fmt_bytes(mem.other), fmt_bytes(mem.total) + share)
     tables: list[Any] = [head, tt, st]
     if plan.param_shardings:
         ps = Table(title=f"tensor-parallel parameter shardings (tp={m.tp}; others replicated)")
@@ -139,9 +140,32 @@ def explain_node(plan: Plan, node: str, *, graph: Graph | None = None) -> str:
 
 
 def _alternatives(plan: Plan, graph: Graph, node: str) -> list[str]:
-    from planner.intra_op_explain import alternatives_for
+    """Each strategy the solver could have given ``node``, costed on the plan's cluster, tp group and micro-batch."""
+    from planner.intra_op import strategy_costs
+    from planner.search import graph_batch
+    from profiles.builtin import resolve_profile
+    from profiles.cost import CostModel
 
-    return alternatives_for(plan, graph, node)
+    if not graph.has_node(node):
+        return [f"(node {node!r} is not in this model's graph)"]
+    try:
+        cost = CostModel(resolve_profile(plan.cluster, plan.nodes))
+    except (ValueError, OSError) as e:
+        return [f"(cannot load cluster profile {plan.cluster!r} to cost alternatives: {e})"]
+    tp = plan.mesh.tp
+    chosen = next((o.strategy for o in plan.op_shardings if o.node == node), "")
+    rows = strategy_costs(graph, graph.node(node), tp=tp, cost=cost, tp_span=cost.span(tp, 1), dtype=plan.dtype,
+                          micro_batch_scale=plan.micro_batch / graph_batch(graph))
+    rows.sort(key=lambda r: r[1] + r[2] + r[3])
+    out = []
+    for st, f, b, ar in rows:
+        mark = "*" if st.name == chosen else " "
+        ins = " ".join(p or "-" for p in st.inputs)
+        extra = f" + grad all-reduce {fmt_time(ar)}" if ar else ""
+        out.append(f"{mark} {st.name:<12} inputs {ins:<16} -> {st.output:<6} compute {fmt_time(f + b)}{extra}")
+    out.append("(* = chosen; resharding of inputs and outputs depends on the neighbours' choices and is what the "
+               "solver traded against compute)")
+    return out
 
 
 def diff_plans(a: Plan, b: Plan) -> str:
