@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -255,7 +256,7 @@ def load_checkpoint(source: Source, optimizer: torch.optim.Optimizer | None, dir
     state["step"] = -1
     try:
         dcp.load(state, checkpoint_id=str(path))
-    except Exception as e:  # DCP raises CheckpointException/RuntimeError/KeyError for a mismatched checkpoint
+    except (Exception, CheckpointException) as e:  # CheckpointException derives from BaseException
         raise ValueError(f"checkpoint {path} does not fit this model: {_first_line(e)}; was it saved for another "
                          "model?") from e
     for (name, key), tmpl in templates.items():
@@ -273,6 +274,10 @@ def load_checkpoint(source: Source, optimizer: torch.optim.Optimizer | None, dir
 
 
 def _first_line(e: BaseException) -> str:
+    failures = getattr(e, "failures", None)  # CheckpointException: {rank: the exception on that rank}
+    if failures:
+        first = next(iter(failures.values()))
+        e = first[0] if isinstance(first, tuple) else first   # (exception, traceback frames)
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
 
