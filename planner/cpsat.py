@@ -1,0 +1,201 @@
+"""The CP-SAT core of the intra-op (tensor-parallel) sharding solver: plain costs in, choices out, no I/O.
+
+Formulation (Alpa, Zheng et al. OSDI'22 Sec. 4.2; tight edge variables as in meta-pytorch/autoparallel
+``optimize_sharding.py``). For the nodes V of one layer group, strategies S_v (:mod:`planner.strategies`) and data
+edges E between them:
+
+* choice      x[v,s] in {0,1},   sum_s x[v,s] = 1                                   (add_one_choice_constraint)
+* edges       y[e,s,s'] in {0,1} for e = (u -> v) reading u's output at argument i:
+              sum_s' y[e,s,s'] = x[u,s]  for all s,   sum_s y[e,s,s'] = x[v,s']  for all s'   (add_edge_constraint)
+              y[e,s,s'] = 0 when out(u,s) cannot be resharded to in(v,s',i) (R->P, S->P)
+* equalities  key_a(s) = key_b(s') for linked choices:  sum_{s: key_a(s)=k} x[a,s] = sum_{s': key_b(s')=k} x[b,s']
+              for every key k (add_equal_constraint). Used for (1) a parameter read by several nodes (tied weights):
+              a pseudo-node p[w,placement] equal to each reader's placement of w; (2) a repeated block's residual
+              input (a pseudo-node: the group's external input placement, chosen by the solver) equal to its output
+              placement, so identical blocks chain without resharding.
+* memory      sum_{v,s} saved(v,s) x[v,s] <= budget                                  (add_memory_constraint)
+* objective   min sum_{v,s} c(v,s) x[v,s] + sum_{e,s,s'} r(e,s,s') y[e,s,s']
+              c = forward + backward compute on one device + the tp all-reduce of partial weight gradients;
+              r = forward reshard of the value + backward reshard of its gradient (see :class:`_Coster`);
+              costs in integer nanoseconds.
+
+:func:`solve_costs` takes plain costs and does no I/O, so tests compare it with brute-force enumeration;
+:mod:`planner.intra_op` builds those costs from a layer group of the graph.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Hashable, NamedTuple, Sequence
+
+from ortools.sat.python import cp_model
+
+__all__ = ["IntraOpOptions", "CoreSolution", "Edge", "EqualPair", "Shared", "INF", "solve_costs", "evaluate_costs",
+           "add_one_choice_constraint", "add_edge_constraint", "add_equal_constraint", "add_memory_constraint",
+           "add_shared_cost_constraint"]
+
+INF = math.inf
+_NS = 1e9
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class IntraOpOptions:
+    """How to run the CP-SAT solve."""
+
+    time_limit_s: float = 10.0
+    """Wall-clock limit of one group's solve (CP-SAT ``max_time_in_seconds``)."""
+    workers: int = 1
+    """CP-SAT search workers; 1 keeps results deterministic."""
+    seed: int = 0
+    """CP-SAT ``random_seed``."""
+    activation_budget_bytes: float | None = None
+    """Cap on the activation bytes one group saves for backward (per device, per micro-batch); None = no cap."""
+    param_byte_price_s: float = 0.0
+    """Seconds charged per byte of parameter state a device holds (a Lagrangian price on memory): 0 optimizes time
+    alone; the outer search raises it to find memory-lean shardings (replicated weights cost tp times the memory)."""
+    param_state_bytes: float = 16.0
+    """Bytes of model state per parameter element priced by ``param_byte_price_s`` (mixed-precision Adam: 16)."""
+
+    def __post_init__(self) -> None:
+        if not self.time_limit_s > 0:
+            raise ValueError(f"time_limit_s must be > 0, got {self.time_limit_s}")
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if self.activation_budget_bytes is not None and self.activation_budget_bytes < 0:
+            raise ValueError(f"activation_budget_bytes must be >= 0, got {self.activation_budget_bytes}")
+        if self.param_byte_price_s < 0 or self.param_state_bytes < 0:
+            raise ValueError("param_byte_price_s and param_state_bytes must be >= 0")
+
+
+class CoreSolution(NamedTuple):
+    choices: list[int]
+    objective: float
+    bound: float
+    status: str
+    gap: float
+
+
+# ---- the CP-SAT core ----------------------------------------------------------------------------------------------
+def add_one_choice_constraint(model: cp_model.CpModel, x: list[list[cp_model.IntVar]]) -> None:
+    """sum_s x[v,s] = 1 for every node v."""
+    for xs in x:
+        model.AddExactlyOne(xs)
+
+
+def add_edge_constraint(model: cp_model.CpModel, x: list[list[cp_model.IntVar]], u: int, v: int,
+                        y: dict[tuple[int, int], cp_model.IntVar]) -> None:
+    """sum_s' y[e,s,s'] = x[u,s] for all s;  sum_s y[e,s,s'] = x[v,s'] for all s' (missing y are fixed to 0)."""
+    for s in range(len(x[u])):
+        model.Add(sum(y[s, s2] for s2 in range(len(x[v])) if (s, s2) in y) == x[u][s])
+    for s2 in range(len(x[v])):
+        model.Add(sum(y[s, s2] for s in range(len(x[u])) if (s, s2) in y) == x[v][s2])
+
+
+def add_equal_constraint(model: cp_model.CpModel, x: list[list[cp_model.IntVar]], a: int, b: int,
+                         key_a: Sequence[Hashable], key_b: Sequence[Hashable]) -> None:
+    """sum_{s: key_a(s)=k} x[a,s] = sum_{s': key_b(s')=k} x[b,s'] for every key k."""
+    for k in dict.fromkeys([*key_a, *key_b]):
+        model.Add(sum(x[a][s] for s, ka in enumerate(key_a) if ka == k)
+                  == sum(x[b][s] for s, kb in enumerate(key_b) if kb == k))
+
+
+def add_shared_cost_constraint(model: cp_model.CpModel, z: cp_model.IntVar, ys: Sequence[cp_model.IntVar]) -> None:
+    """z[u,k] >= y[e,s,s'] for every edge e out of u whose pair (s,s') needs conversion k: one collective serves
+    every consumer of a value that needs the same conversion (and their gradients are summed before one reshard)."""
+    for y in ys:
+        model.Add(z >= y)
+
+
+def add_memory_constraint(model: cp_model.CpModel, x: list[list[cp_model.IntVar]], mem: Sequence[Sequence[float]],
+                          budget: float) -> None:
+    """sum_{v,s} saved(v,s) x[v,s] <= budget (bytes, rounded up per term)."""
+    model.Add(sum(int(math.ceil(m)) * x[v][s] for v, ms in enumerate(mem) for s, m in enumerate(ms) if m)
+              <= int(math.floor(budget)))
+
+
+Edge = tuple[int, int, Sequence[Sequence[float]]]
+EqualPair = tuple[int, int, Sequence[Hashable], Sequence[Hashable]]
+Shared = tuple[Sequence[tuple[int, Sequence[Sequence[Hashable]]]], dict[Hashable, float]]
+"""(edges as (edge index, key per (s, s') pair), cost per key): each key's cost is paid once if any edge uses it."""
+
+
+def evaluate_costs(node_cost: Sequence[Sequence[float]], edges: Sequence[Edge], choices: Sequence[int],
+                   shared: Sequence[Shared] = ()) -> float:
+    """Objective of an assignment (INF if it uses an invalid choice or reshard)."""
+    tot = sum(node_cost[v][c] for v, c in enumerate(choices))
+    tot += sum(m[choices[u]][choices[v]] for u, v, m in edges)
+    for es, costs in shared:
+        used = {km[choices[edges[e][0]]][choices[edges[e][1]]] for e, km in es}
+        tot += sum(costs.get(k, 0.0) for k in used)
+    return tot
+
+
+def solve_costs(num_choices: Sequence[int], node_cost: Sequence[Sequence[float]], edges: Sequence[Edge], *,
+                mem: Sequence[Sequence[float]] | None = None, budget: float | None = None,
+                equal_pairs: Sequence[EqualPair] = (), shared: Sequence[Shared] = (),
+                hint: Sequence[int] | None = None,
+                options: IntraOpOptions = IntraOpOptions(), cost_scale: float = _NS) -> CoreSolution:
+    """Minimise node + edge costs (floats, INF = forbidden) subject to the constraints in the module docstring.
+
+    Costs are multiplied by ``cost_scale`` and rounded to integers for CP-SAT; ``objective`` and ``bound`` are
+    returned in the original unit. Raises ValueError when the instance is infeasible (e.g. the memory budget)."""
+    model = cp_model.CpModel()
+    x = [[model.NewBoolVar(f"x{v}_{s}") for s in range(k)] for v, k in enumerate(num_choices)]
+    add_one_choice_constraint(model, x)
+    terms: list[tuple[int, cp_model.IntVar]] = []
+    for v, cs in enumerate(node_cost):
+        for s, c in enumerate(cs):
+            if c == INF:
+                model.Add(x[v][s] == 0)
+            elif round(c * cost_scale):
+                terms.append((round(c * cost_scale), x[v][s]))
+    in_shared = {e for es, _ in shared for e, _ in es}
+    ys: list[dict[tuple[int, int], cp_model.IntVar]] = []
+    for ei, (u, v, mat) in enumerate(edges):
+        ys.append({})
+        if ei not in in_shared and all(c == 0 for row in mat for c in row):
+            continue  # every pair allowed and free: the edge constrains nothing
+        y = {(s, s2): model.NewBoolVar(f"y{ei}_{s}_{s2}") for s in range(num_choices[u])
+             for s2 in range(num_choices[v]) if mat[s][s2] != INF}
+        ys[-1] = y
+        add_edge_constraint(model, x, u, v, y)
+        terms += [(round(mat[s][s2] * cost_scale), var) for (s, s2), var in y.items() if round(mat[s][s2] * cost_scale)]
+    for gi, (es, costs) in enumerate(shared):
+        for k, c in costs.items():
+            if round(c * cost_scale) <= 0:
+                continue
+            z = model.NewBoolVar(f"z{gi}_{k}")
+            add_shared_cost_constraint(model, z, [var for e, km in es for (s, s2), var in ys[e].items()
+                                                  if km[s][s2] == k])
+            terms.append((round(c * cost_scale), z))
+    for a, b, ka, kb in equal_pairs:
+        add_equal_constraint(model, x, a, b, ka, kb)
+    if budget is not None and mem is not None and budget != INF:
+        add_memory_constraint(model, x, mem, budget)
+    model.Minimize(sum(c * var for c, var in terms))
+    if hint is not None:
+        for v, c in enumerate(hint):
+            for s, var in enumerate(x[v]):
+                model.AddHint(var, s == c)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = options.time_limit_s
+    solver.parameters.num_workers = options.workers
+    solver.parameters.random_seed = options.seed
+    solver.parameters.linearization_level = 2  # full LP relaxation of the edge rows/columns: proves optimality fast
+    st = solver.Solve(model)
+    if st in (cp_model.INFEASIBLE, cp_model.MODEL_INVALID):
+        raise ValueError("the intra-op sharding problem is infeasible: no strategy assignment fits the activation "
+                         "budget; raise activation_budget_bytes, use more tensor parallelism, or recompute")
+    if st == cp_model.UNKNOWN:  # time limit hit before any solution: fall back to the hint
+        choices = list(hint) if hint is not None else [0] * len(num_choices)
+        obj = evaluate_costs(node_cost, edges, choices, shared)
+        return CoreSolution(choices, obj, solver.BestObjectiveBound() / cost_scale, "timeout", 1.0)
+    choices = [next(s for s, var in enumerate(xs) if solver.BooleanValue(var)) for xs in x]
+    obj, bound = solver.ObjectiveValue(), solver.BestObjectiveBound()
+    gap = 0.0 if st == cp_model.OPTIMAL else max(0.0, (obj - bound) / max(abs(obj), 1e-9))
+    status = "optimal" if st == cp_model.OPTIMAL else "feasible"
+    return CoreSolution(choices, obj / cost_scale, bound / cost_scale, status, gap)
+
+
+# ---- costs --------------------------------------------------------------------------------------------------------
