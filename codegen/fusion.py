@@ -34,15 +34,15 @@ Rules
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
 import ir
 from codegen.triton_gen import KernelSpec, generate_source
 from ir.graph import TensorMeta
 
-__all__ = ["FusionGroup", "fusion_groups", "fused_bytes_saved", "render_kernels", "fuse_graph_module", "Match",
-           "NodeView", "match_patterns"]
+__all__ = ["FusionGroup", "fusion_groups", "fused_bytes_saved", "apply_fused_bytes", "render_kernels",
+           "fuse_graph_module", "Match", "NodeView", "match_patterns"]
 
 log = logging.getLogger(__name__)
 
@@ -365,17 +365,45 @@ def fusion_groups(graph: ir.Graph, nodes: Iterable[str] | None = None) -> tuple[
     return tuple(groups)
 
 
-def fused_bytes_saved(graph: ir.Graph, nodes: Iterable[str] | None = None) -> dict[str, float]:
+def fused_bytes_saved(graph: ir.Graph, nodes: Iterable[str] | None = None, *,
+                      kernels_only: bool = False) -> dict[str, float]:
     """Bytes each node no longer moves thanks to fusion: a group's ``bytes_saved`` split over its members in
-    proportion to their unfused bytes (nodes outside groups are absent).  Subtract from a node's bytes to cost it."""
+    proportion to their unfused bytes (nodes outside groups are absent).  Subtract from a node's bytes to cost it.
+    ``kernels_only`` leaves out the ``pointwise`` runs, which have no generated kernel and run eagerly."""
     out: dict[str, float] = {}
     for g in fusion_groups(graph, nodes):
-        if g.bytes_saved <= 0.0 or g.bytes_unfused <= 0.0:
+        if g.bytes_saved <= 0.0 or g.bytes_unfused <= 0.0 or (kernels_only and g.spec is None):
             continue
         for name in g.nodes:
             n = graph.node(name)
             out[name] = g.bytes_saved * (n.bytes_read + n.bytes_written) / g.bytes_unfused
     return out
+
+
+def apply_fused_bytes(graph: ir.Graph) -> ir.Graph:
+    """A pass (``Graph -> Graph``): ``graph`` with every fused node's ``bytes_read``/``bytes_written`` reduced by
+    its share of :func:`fused_bytes_saved`, so that a cost model summing node bytes counts a fused group's bytes once.
+
+    Groups are matched per layer group (``graph.layers``; the whole graph when there are none), exactly as the runtime
+    fuses each layer-group module, so no group spans two layer groups (or two pipeline stages) and identical blocks
+    get identical savings.  Only groups with a generated kernel count: the ``pointwise`` runs execute eagerly.  Layer groups, names, FLOPs and the fingerprint are unchanged; a node keeps its read/write
+    split (both scale by ``1 - saved / (read + written)``)."""
+    scopes = [[n.name for n in graph.group_nodes(g)] for g in graph.layers] or [[n.name for n in graph.nodes]]
+    saved: dict[str, float] = {}
+    for names in scopes:
+        saved.update(fused_bytes_saved(graph, names, kernels_only=True))
+    nodes = []
+    for n in graph.nodes:
+        total = n.bytes_read + n.bytes_written
+        s = saved.get(n.name, 0.0)
+        if s <= 0.0 or total <= 0.0:
+            nodes.append(n)
+            continue
+        keep = max(0.0, 1.0 - s / total)
+        nodes.append(replace(n, bytes_read=n.bytes_read * keep, bytes_written=n.bytes_written * keep))
+    log.debug("fusion saves %.3g of %.3g forward bytes", sum(saved.values()),
+              sum(n.bytes_read + n.bytes_written for n in graph.nodes))
+    return replace(graph, nodes=tuple(nodes))
 
 
 def render_kernels(graph: ir.Graph, nodes: Iterable[str] | None = None) -> str:

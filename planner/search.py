@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
+from codegen.fusion import apply_fused_bytes
 from ir.errors import AutoparError
 from ir.graph import Graph
 from planner.assemble import build_plan
@@ -126,6 +127,9 @@ class _Tables:
 
     def __init__(self, graph: Graph, cost: CostModel, options: PlanOptions) -> None:
         self.graph, self.cost, self.options = graph, cost, options
+        # fused groups move their bytes once (codegen.fusion); the runtime fuses only stages without tp, so only
+        # the tp = 1 tables see the fused graph
+        self.fused = apply_fused_bytes(graph) if options.fused_kernels else graph
         self.trace_batch = graph_batch(graph)
         self._cache: dict[tuple[int, int, bool], LayerTable] = {}
         self.opts = IntraOpOptions(time_limit_s=options.intra_op_time_limit_s, workers=options.workers,
@@ -136,10 +140,11 @@ class _Tables:
     def get(self, tp: int, mb: int, lean: bool = False) -> LayerTable:
         key = (tp, mb, lean and tp > 1)
         if key not in self._cache:
-            sols = solve_graph(self.graph, tp=tp, cost=self.cost, tp_span=self.cost.span(tp, 1),
+            graph = self.fused if tp == 1 else self.graph
+            sols = solve_graph(graph, tp=tp, cost=self.cost, tp_span=self.cost.span(tp, 1),
                                dtype=self.options.dtype, micro_batch_scale=mb / self.trace_batch,
                                options=self.lean_opts if key[2] else self.opts)
-            self._cache[key] = layer_table(self.graph, tuple(sols), tp, mb)
+            self._cache[key] = layer_table(graph, tuple(sols), tp, mb)
         return self._cache[key]
 
     def variants(self, tp: int, mb: int) -> list[tuple[bool, LayerTable]]:
