@@ -70,7 +70,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     profile = resolve_cluster(args.cluster, args.nodes)
     graph = _trace(args.model, args.seq)
     opts = PlanOptions(global_batch=args.global_batch, pins=parse_pins(args.pin), dtype=args.dtype,
-                       top_k=args.top_k, intra_op_time_limit_s=args.time_limit, seed=args.seed)
+                       top_k=args.top_k, intra_op_time_limit_s=args.time_limit, seed=args.seed,
+                       fused_kernels=not args.no_fused_kernels)
     result = search(graph, profile, opts, progress=None if args.quiet else _progress_printer())
     print(render_plan(result.best, graph=graph), end="")
     if result.alternatives:
@@ -183,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT seconds per distinct layer solve")
     pl.add_argument("--seed", type=int, default=0)
     pl.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    pl.add_argument("--no-fused-kernels", action="store_true",
+                    help="run eagerly: no generated Triton kernels, fused groups costed unfused")
     pl.add_argument("-o", "--output", help="write the plan YAML here")
     pl.set_defaults(func=_cmd_plan)
 

@@ -25,12 +25,14 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 import ir
+from codegen.fusion import fuse_graph_module
 from codegen.runtime import data_parallel as dpm
 from codegen.runtime.init import LocalSlot, alias_names, copy_into, fill_slot, meta_clone, seed_stream
 from codegen.runtime.mesh import build_mesh, default_device
@@ -251,7 +253,7 @@ def _make_stages(plan: ir.Plan, graph: ir.Graph, split: SplitModel, indices: lis
     for i in indices:
         st = plan.stages[i]
         ids = list(range(st.layer_start, st.layer_end))
-        groups = [split.groups[g] for g in ids]
+        groups = _fuse([split.groups[g] for g in ids], plan, tp_mesh)
         for g in groups:
             chunks.update(rewrite_group(g, graph, plan, tp_mesh, ops,
                                         selective_recompute=st.recompute == "selective"))
@@ -263,6 +265,18 @@ def _make_stages(plan: ir.Plan, graph: ir.Graph, split: SplitModel, indices: lis
                                   context=implicit_replication if tp_mesh is not None else None))
         group_lists.append(groups)
     return stages, group_lists, chunks
+
+
+def _fuse(groups: list[fx.GraphModule], plan: ir.Plan, tp_mesh: DeviceMesh | None) -> list[fx.GraphModule]:
+    """The groups rewritten to call the generated fused kernels (:func:`codegen.fusion.fuse_graph_module`) when
+    ``plan.fused_kernels`` is set: on when CUDA is available or ``TRITON_INTERPRET=1`` is forced, else eager.
+
+    Stages under tensor parallelism (tp > 1) are *not* fused: their activations are DTensors, which the kernels do
+    not take, and converting to local tensors is only correct for some placements (a norm over a sharded dim is not
+    local), so those stages run eagerly (the planner costs them unfused, too)."""
+    if not plan.fused_kernels or tp_mesh is not None:
+        return groups
+    return [fuse_graph_module(g, enabled=None) for g in groups]
 
 
 def _distribute_params(stages: list[StageModule], mesh: DeviceMesh, plan: ir.Plan, canon: dict[str, str]) -> None:
