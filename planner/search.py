@@ -189,7 +189,7 @@ def _screen_all(graph: Graph, profile: ClusterProfile, options: PlanOptions, tab
                             for lean, table in variants:
                                 c = Candidate(pp, dp, tp, mb, m, sched, v, zero, rc, lean)
                                 s = screen(c, table, cost, dtype=options.dtype, capacity=capacity,
-                                           p2p_intra=p2p_intra)
+                                           p2p_intra=p2p_intra, overlap_grad_sync=options.overlap_grad_sync)
                                 count += 1
                                 if s is None:
                                     continue
