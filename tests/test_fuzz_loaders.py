@@ -30,9 +30,8 @@ FUZZ = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCh
                 derandomize=True)
 """Moderate and derandomized: the same examples on every run, so CI is reproducible and fast."""
 
-# Integers stay within float range and mapping keys are non-empty here; those edge cases have their own regression
-# tests at the end), tested separately so that these properties cover everything else.
-_INTS = st.integers(min_value=-(2**70), max_value=2**70)
+# Unbounded integers (beyond float range too) and empty mapping keys: both once crashed the loaders.
+_INTS = st.one_of(st.integers(min_value=-(2**70), max_value=2**70), st.integers(), st.sampled_from([10**400, -(10**400)]))
 _SCALARS = st.one_of(
     st.none(), st.booleans(), _INTS, st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=12), st.sampled_from(["R", "P", "S(0)", "S(-1)", "1f1b", "none", "default", "intra_node",
@@ -41,7 +40,7 @@ _SCALARS = st.one_of(
 _GARBAGE = st.recursive(
     _SCALARS,
     lambda inner: st.one_of(st.lists(inner, max_size=4),
-                            st.dictionaries(st.one_of(st.text(min_size=1, max_size=6), _INTS, st.booleans()), inner, max_size=4)),
+                            st.dictionaries(st.one_of(st.text(max_size=6), _INTS, st.booleans()), inner, max_size=4)),
     max_leaves=12,
 )
 
