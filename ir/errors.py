@@ -20,13 +20,10 @@ class TraceError(AutoparError):
         super().__init__(self._message())
 
     def _message(self) -> str:
-        lines = ["could not capture the model:"]
-        for p in self.parts:
-            loc = f" in {p.where}" if p.where else ""
-            lines.append(f"  {p.frontend}{loc}: {p.reason}")
-        lines.append("hint: data-dependent Python control flow (e.g. `if x.sum() > 0`) cannot be traced; rewrite it "
-                     "with torch.where/torch.cond, or mark that module as a leaf and pin its placement")
-        return "\n".join(lines)
+        parts = "; ".join(f"{p.frontend}{' in ' + p.where if p.where else ''}: {p.reason}" for p in self.parts)
+        return (f"could not capture the model ({parts}); hint: data-dependent Python control flow (e.g. "
+                "`if x.sum() > 0`) cannot be traced: rewrite it with torch.where/torch.cond, or mark that module as "
+                "a leaf and pin its placement")
 
     @classmethod
     def combine(cls, *errors: "TraceError") -> "TraceError":
@@ -43,9 +40,8 @@ class ExampleInputError(TraceError):
 
     def _message(self) -> str:
         loc = f" at {self.where}" if self.where else ""
-        return (f"the example inputs do not fit the model{loc}: {self.reason}\n"
-                f"  inputs given: {self.given or '?'}\n"
-                f"hint: check the batch/sequence/feature sizes and dtypes (token ids must be int64)")
+        return (f"the example inputs do not fit the model{loc}: {self.reason} (inputs given: {self.given or '?'}); "
+                "hint: check the batch/sequence/feature sizes and dtypes (token ids must be int64)")
 
 
 class IRVerificationError(AutoparError, AssertionError):

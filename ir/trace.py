@@ -16,10 +16,12 @@ propagated with FakeTensors, so a 175B-parameter model built on the meta device 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import traceback
 from dataclasses import dataclass
-from typing import Any, Iterable, Literal, Sequence
+from typing import Any, Iterable, Iterator, Literal, Sequence
 
 import torch
 import torch.fx as fx
@@ -252,8 +254,6 @@ def _build_graph(gm: fx.GraphModule, model: torch.nn.Module, frontend: Literal["
         metas[n.name] = outs[0]
     graph = Graph(tuple(nodes), params, tuple(input_names), tuple(dict.fromkeys(outputs)),
                   unknown_ops=tuple(unknown), frontend=frontend, model_name=model_name)
-    if unknown:
-        log.warning("costed %d unknown op(s) by bytes only: %s", len(unknown), ", ".join(unknown))
     return group_layers(graph, {p: type(m).__name__ for p, m in model.named_modules()})
 
 
@@ -337,6 +337,20 @@ def _trace_export(model: torch.nn.Module, inputs: list[Any], model_name: str) ->
     return _build_graph(gm, model, "export", placeholder_fqn, list(user_inputs), model_name, False)
 
 
+@contextlib.contextmanager
+def _quiet_torch_logs() -> Iterator[None]:
+    """Torch's loggers dump graphs and tracebacks to stderr when a capture fails (some are created lazily, with their
+    own handlers, and torch.export print()s the graph): our error says it all, so logging is disabled and stderr set
+    aside while a front end runs, and both restored afterwards."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # torch.export also print()s the failing graph to stderr
+            yield
+    finally:
+        logging.disable(previous)
+
+
 def trace(model: torch.nn.Module, example_inputs: Sequence[Any] | Any, *, frontend: Frontend = "auto",
           model_name: str = "") -> Graph:
     """Lift ``model`` into an :class:`ir.Graph`.
@@ -354,6 +368,14 @@ def trace(model: torch.nn.Module, example_inputs: Sequence[Any] | Any, *, fronte
         raise ValueError(f"frontend must be 'auto', 'fx' or 'export', got {frontend!r}")
     name = model_name or type(model).__name__
     inputs = _as_tensors(list(example_inputs), _model_device(model))
+    with _quiet_torch_logs():
+        graph = _trace_with(model, inputs, name, frontend)
+    if graph.unknown_ops:
+        log.warning("costed %d unknown op(s) by bytes only: %s", len(graph.unknown_ops), ", ".join(graph.unknown_ops))
+    return graph
+
+
+def _trace_with(model: torch.nn.Module, inputs: list[Any], name: str, frontend: Frontend) -> Graph:
     if frontend == "fx":
         return _trace_fx(model, inputs, name)
     if frontend == "export":

@@ -178,7 +178,7 @@ def _keys(d: Mapping[str, Any], path: str, required: set[str], optional: set[str
     for k in d:
         if k not in required and k not in optional:
             allowed = ", ".join(sorted(required | set(optional)))
-            raise _fail(_join(path, str(k)), f"unknown key (allowed: {allowed})")
+            raise _fail(_join(path, str(k) if isinstance(k, str) and k else repr(k)), f"unknown key (allowed: {allowed})")
     for k in sorted(required):
         if k not in d:
             raise _fail(_join(path, k), "missing required field")

@@ -242,8 +242,6 @@ def test_plan_dataclass_fields_all_reachable() -> None:
     assert names == set(PLAN_DATA), names ^ set(PLAN_DATA)
 
 
-@pytest.mark.xfail(strict=True, reason="profiles/schema.py _keys reports an unknown key '' at the root as ': unknown "
-                   "key' (no field path); fix: name it with repr(k) when k is empty or not a string")
 def test_empty_unknown_profile_key_is_named() -> None:
     data = copy.deepcopy(PROFILE_DATA)
     data[""] = None

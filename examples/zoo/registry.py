@@ -223,7 +223,12 @@ def _load_factory(ref: str) -> Callable[..., Any]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"cannot import module {module_name!r} for model {ref!r}: {exc}") from exc
+        raise ValueError(f"cannot import module {module_name!r} for model {ref!r}: {exc}; check the name and that "
+                         "its directory is on PYTHONPATH") from exc
+    except Exception as exc:  # noqa: BLE001 - the user's module failed while importing: say so in one line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ValueError(f"importing module {module_name!r} for model {ref!r} failed: {type(exc).__name__}: "
+                         f"{first}") from exc
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
