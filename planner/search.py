@@ -100,6 +100,8 @@ def _schedules(pp: int, m: int, n_groups: int, options: PlanOptions) -> list[tup
         elif pinned_v in (None, 1):
             if pp == 1 and s == "gpipe" and pinned_s is None:
                 continue  # identical to 1f1b without a pipeline
+            if s == "1f1b" and 1 < pp and m < pp:
+                continue  # torch.distributed.pipelining's 1F1B needs m >= pp; with fewer it is GPipe anyway
             out.append((s, 1))
     return out
 

@@ -48,3 +48,13 @@ def test_trace_and_models(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["trace", "llama-tiny"]) == 0
     out = capsys.readouterr().out
     assert "2 blocks, 1 distinct" in out and "unknown ops" in out
+
+
+def test_show_kernels(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan = tmp_path / "p.yaml"
+    assert main(["plan", "llama-tiny", "--cluster", "dgx-h100", "--nodes", "1", "--global-batch", "8", "-q",
+                 "-o", str(plan)]) == 0
+    capsys.readouterr()
+    assert main(["show", str(plan), "--kernels"]) == 0
+    out = capsys.readouterr().out
+    assert "@triton.jit" in out and "rms" in out.lower()
