@@ -16,3 +16,17 @@ torch.set_num_threads(1)
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="module")
+def isolated_kernel_cache(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - a generator fixture
+    """Compiled Triton kernels go to a fresh cache directory for the module, not the user's ~/.cache."""
+    from codegen.kernels import cache as kcache
+
+    old = os.environ.get(kcache.ENV_CACHE)
+    os.environ[kcache.ENV_CACHE] = str(tmp_path_factory.mktemp("kernels"))
+    yield
+    if old is None:
+        del os.environ[kcache.ENV_CACHE]
+    else:
+        os.environ[kcache.ENV_CACHE] = old

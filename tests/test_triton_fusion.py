@@ -12,7 +12,6 @@ import torch.fx as fx
 
 import ir
 from codegen.fusion import FusionGroup, fuse_graph_module, fused_bytes_saved, fusion_groups, render_kernels
-from codegen.kernels import cache as kcache
 from codegen.triton_gen import generate_source
 from examples.zoo import build
 
@@ -20,15 +19,7 @@ GOLDEN = Path(__file__).parent / "golden"
 ZOO = ["gpt-tiny", "llama-tiny", "moe-tiny", "wrn-tiny", "mlp-tiny"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _kernel_cache(tmp_path_factory: pytest.TempPathFactory):
-    old = os.environ.get(kcache.ENV_CACHE)
-    os.environ[kcache.ENV_CACHE] = str(tmp_path_factory.mktemp("kernels"))
-    yield
-    if old is None:
-        del os.environ[kcache.ENV_CACHE]
-    else:
-        os.environ[kcache.ENV_CACHE] = old
+pytestmark = pytest.mark.usefixtures("isolated_kernel_cache")
 
 
 def _graph(name: str) -> ir.Graph:
@@ -114,7 +105,7 @@ def _golden(name: str, text: str) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     assert path.exists(), f"{path} missing: run with AUTOPAR_UPDATE_GOLDEN=1 to create it"
-    assert text == path.read_text(), f"generated source changed; if intended, regenerate with AUTOPAR_UPDATE_GOLDEN=1"
+    assert text == path.read_text(), "generated source changed; if intended, regenerate with AUTOPAR_UPDATE_GOLDEN=1"
 
 
 @pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])

@@ -24,15 +24,7 @@ ROW_SHAPES = [(4, 33), (2, 3, 100), (3, 257)]       # ragged rows: none a power 
 FLAT_SHAPES = [(5, 33), (3, 700), (2, 2, 257)]        # numel not a multiple of the 1024 block
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _kernel_cache(tmp_path_factory: pytest.TempPathFactory):
-    old = os.environ.get(kcache.ENV_CACHE)
-    os.environ[kcache.ENV_CACHE] = str(tmp_path_factory.mktemp("kernels"))
-    yield
-    if old is None:
-        del os.environ[kcache.ENV_CACHE]
-    else:
-        os.environ[kcache.ENV_CACHE] = old
+pytestmark = pytest.mark.usefixtures("isolated_kernel_cache")
 
 
 def _leaf(shape: tuple[int, ...], dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
