@@ -13,6 +13,9 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import subprocess
+import sys
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -42,31 +45,69 @@ def _measured_profile_path(ranks: int) -> Path:
     return root / f"profile-{socket.gethostname()}-{ranks}.yaml"
 
 
-def resolve_cluster(cluster: str | Path | ClusterProfile | None, nodes: int | None = None) -> ClusterProfile:
+_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                 "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_")
+
+
+def _measure_here(path: Path, ranks: int, timeout_s: float) -> None:
+    """Run ``python -m profiles.profiler --quick`` in a child process without the launcher's environment.
+
+    Under torchrun ``TORCHELASTIC_USE_AGENT_STORE`` (and MASTER_*) would make the profiler's own process group join
+    the agent's store instead of creating one, so its ranks would wait forever."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_ENV)}
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    cmd = [sys.executable, "-m", "profiles.profiler", "-o", str(tmp), "--ranks", str(ranks), "--quick",
+           "--no-progress"]
+    try:
+        res = subprocess.run(cmd, env=env, timeout=timeout_s, check=False, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"measuring this machine failed (exit {res.returncode}): {res.stderr[-2000:]}\n"
+                               "pass cluster=... (a built-in name or a profile YAML from `autopar profile`)")
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _wait_for(path: Path, failed: Path, timeout_s: float) -> None:
+    deadline, started = time.monotonic() + timeout_s, time.time() - 5.0
+    while not path.exists():
+        if failed.exists() and failed.stat().st_mtime >= started:  # ignore a marker left by an earlier run
+            raise RuntimeError(f"local rank 0 failed to measure this machine: {failed.read_text()}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no measured profile at {path} after {timeout_s:.0f} s (local rank 0 measures it)")
+        time.sleep(0.2)
+
+
+def resolve_cluster(cluster: str | Path | ClusterProfile | None, nodes: int | None = None,
+                    timeout_s: float = 1800.0) -> ClusterProfile:
     """A cluster profile from a built-in name, a YAML path, a profile object, or (None) this machine measured.
 
-    A measured profile is cached per host and rank count (``$AUTOPAR_CACHE``, default ``~/.cache/autopar``)."""
+    A measured profile (``autopar profile --quick`` with one rank per local process, or per GPU, or 2) is cached per
+    host and rank count (``$AUTOPAR_CACHE``, default ``~/.cache/autopar``); under torchrun local rank 0 measures it
+    while the other local ranks wait for the file."""
     if isinstance(cluster, ClusterProfile):
         return with_nodes(cluster, nodes) if nodes else cluster
     if cluster is not None:
         return resolve_profile(cluster, nodes)
-    from profiles.profiler import run_profile_command
     from profiles.schema import load_profile
 
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count() or 2))
     path = _measured_profile_path(ranks)
+    failed = path.with_suffix(".failed")
     if not path.exists():
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             log.info("no cluster given: measuring this machine (%d ranks) into %s", ranks, path)
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            run_profile_command(tmp, ranks, quick=True, progress=False)
-            tmp.replace(path)
+            failed.unlink(missing_ok=True)
+            try:
+                _measure_here(path, ranks, timeout_s)
+            except Exception as e:
+                failed.write_text(str(e)[:2000])
+                raise
         else:
-            import time
-
-            while not path.exists():
-                time.sleep(0.5)
+            _wait_for(path, failed, timeout_s)
     prof = load_profile(path)
     return with_nodes(prof, nodes) if nodes else prof
 
@@ -140,6 +181,22 @@ class AutoParallel:
         return diff_plans(self.plan().best, other)
 
 
+def _plan_once(ap: AutoParallel) -> Plan:
+    """Rank 0 searches and broadcasts the plan, so every rank builds the same program (and the search runs once)."""
+    import torch.distributed as dist
+
+    from ir.plan import plan_from_yaml, plan_to_yaml
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return ap.plan().best
+    box: list[str | None] = [plan_to_yaml(ap.plan().best) if dist.get_rank() == 0 else None]
+    nccl = dist.get_backend() == "nccl"
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if nccl else None
+    dist.broadcast_object_list(box, src=0, device=dev)
+    assert box[0] is not None
+    return plan_from_yaml(box[0])
+
+
 def plan(model: torch.nn.Module, example_inputs: Sequence[Any], *, cluster: str | Path | ClusterProfile,
          global_batch: int, nodes: int | None = None, model_name: str = "", **options: Any) -> SearchResult:
     """Plan ``model`` for ``cluster``: the best :class:`ir.Plan` (``.best``) and the top-k ``.alternatives``."""
@@ -167,7 +224,7 @@ def auto_parallel(model: torch.nn.Module, *, example_inputs: Sequence[Any], loss
             cluster = prof
         ap = AutoParallel(model, example_inputs, global_batch, cluster=cluster, nodes=None, loss_fn=loss_fn,
                           options=options)
-        return ap.apply(plan)
+        return ap.apply(plan if plan is not None else _plan_once(ap))
     if cluster is None and plan is None:
         raise ValueError("outside torchrun, auto_parallel plans for a given cluster: pass cluster='dgx-a100-80gb' "
                          "(or a profile YAML), or launch with torchrun to run on this machine")

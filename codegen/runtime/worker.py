@@ -76,6 +76,24 @@ def program_zero_grad(program: Any) -> None:
         p.grad = None
 
 
+def _plan_graph(plan: Any, model: str, seq: int | None) -> Any:
+    """The model traced at the batch the plan was made for: ``autopar plan`` traces batch 1, ``auto_parallel`` the
+    caller's example batch, hand-made plans the micro or global batch.  Falls back to the micro-batch trace."""
+    import ir
+    from examples.zoo import build
+
+    first = None
+    for b in dict.fromkeys((plan.micro_batch, 1, plan.global_batch)):
+        meta = build(model, batch=b, device="meta", seq=seq)
+        graph = ir.trace(meta.model, meta.example_inputs, frontend="fx", model_name=model)
+        if graph.fingerprint == plan.graph_fingerprint:
+            return graph
+        first = first or graph
+    log.warning("no batch size (%s) reproduces the plan's graph fingerprint %s: was the plan made for model %s "
+                "(with this --seq)?", sorted({plan.micro_batch, 1, plan.global_batch}), plan.graph_fingerprint, model)
+    return first
+
+
 def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     import ir
     from codegen.runtime.mesh import default_device
@@ -85,12 +103,7 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     plan = ir.load_plan(args.plan)
     device = default_device()
     spec = build(args.model, batch=plan.global_batch, device="cpu", seq=args.seq, seed=args.seed)
-    graph = None
-    for b in dict.fromkeys((plan.micro_batch, plan.global_batch)):  # the planner may trace either batch
-        meta = build(args.model, batch=b, device="meta", seq=args.seq)
-        graph = ir.trace(meta.model, meta.example_inputs, frontend="fx", model_name=args.model)
-        if graph.fingerprint == plan.graph_fingerprint:
-            break
+    graph = _plan_graph(plan, args.model, args.seq)
     src = spec if args.init == "copy" else build(args.model, batch=plan.global_batch, device="meta", seq=args.seq)
     program = build_program(plan, src, loss_fn=spec.loss_fn, example_inputs=spec.example_inputs, graph=graph,
                             device=device, init=args.init, seed=args.seed)
