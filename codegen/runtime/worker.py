@@ -104,6 +104,11 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     device = default_device()
     spec = build(args.model, batch=plan.global_batch, device="cpu", seq=args.seq, seed=args.seed)
     graph = _plan_graph(plan, args.model, args.seq)
+    param_dtype = str(next(iter(spec.model.parameters())).dtype).removeprefix("torch.")
+    if plan.dtype != param_dtype and dist.get_rank() == 0:  # the runtime has no mixed precision (yet)
+        log.warning("the plan was made for %s but the program trains in the model's %s: predicted times assume "
+                    "%s (plan with --dtype %s to compare like with like)", plan.dtype, param_dtype, plan.dtype,
+                    param_dtype)
     src = spec if args.init == "copy" else build(args.model, batch=plan.global_batch, device="meta", seq=args.seq)
     program = build_program(plan, src, loss_fn=spec.loss_fn, example_inputs=spec.example_inputs, graph=graph,
                             device=device, init=args.init, seed=args.seed)
