@@ -8,7 +8,9 @@ a real run):
   (CPU: ``cpu_count // ranks``). The peak of a dtype is its best achieved FLOP/s; efficiency = achieved / peak, with
   the measured launch overhead removed first (the cost model adds it back);
 - pointwise memory bandwidth (``out = a + b`` on large tensors, 3 tensors of traffic);
-- launch overhead (median time of a one-element op);
+- launch overhead: what one op costs beyond its math in a training step, i.e. a chain of tiny autograd ops run
+  forward and backward, per op and pass (dispatch + autograd bookkeeping + kernel launch); a bare one-element op
+  (no autograd) is also timed and is what matmul timings are corrected by;
 - collectives over message sizes (1 KiB .. 64 MiB by powers of 4; ``quick``: 1 KiB .. 1 MiB) on groups of
   2, 4, .. ``ranks`` ranks: ``all_reduce``, ``all_gather_single`` / ``reduce_scatter_single`` (the
   ``*_into_tensor`` / ``*_tensor`` forms on older torch) and
@@ -128,6 +130,20 @@ def time_matmul(n: int, dtype: torch.dtype, device: torch.device, repeats: int, 
     return statistics.median(samples)
 
 
+def _training_op_overhead(device: torch.device, sync: Callable[[], None], repeats: int, ops: int = 32) -> float:
+    """Seconds per op per pass (forward or backward) of a chain of tiny autograd ops: the fixed cost every op of a
+    training step pays, which the cost model charges as launch overhead."""
+    leaf = torch.ones(8, device=device, requires_grad=True)
+
+    def chain() -> None:
+        y = leaf
+        for _ in range(ops):
+            y = y * 1.0001
+        y.sum().backward()
+
+    return _time_calls(chain, sync, repeats, 5) / (2 * (ops + 1))
+
+
 def _time_calls(fn: Callable[[], Any], sync: Callable[[], None], repeats: int, inner: int) -> float:
     fn()
     sync()
@@ -229,6 +245,7 @@ def _measure_device(opts: ProfileOptions, device: torch.device, rank: int, prog:
     x, y = torch.ones(1, device=device), torch.ones(1, device=device)
     out = torch.empty(1, device=device)
     launch = _time_calls(lambda: torch.add(x, y, out=out), sync, reps, 200)
+    per_op = _training_op_overhead(device, sync, reps)
     _step(prog, "launch overhead")
     # pointwise bandwidth: out = a + b
     numel = (4 if quick else 16) * 1024 * 1024 * (16 if cuda else 1)
@@ -274,7 +291,7 @@ def _measure_device(opts: ProfileOptions, device: torch.device, rank: int, prog:
         "peak_flops": peak,
         "matmul_efficiency": eff,
         "memory_bandwidth": mem_bw,
-        "launch_overhead_s": launch,
+        "launch_overhead_s": max(launch, per_op),
         "vector_flops": peak["float32"],
         "sources": {
             k: src
