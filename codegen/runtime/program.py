@@ -38,8 +38,9 @@ from codegen.runtime.init import LocalSlot, alias_names, copy_into, fill_slot, m
 from codegen.runtime.mesh import build_mesh, default_device
 from codegen.runtime.pipeline import build_schedule, local_stage_indices
 from codegen.runtime.split import SplitModel, StageModule, split_model
-from codegen.runtime.tensor_parallel import (expand_op_shardings, implicit_replication, parse_placement, rewrite_group, to_dtensor,
-                                             to_local_replicated, unpermute_chunks)
+from codegen.runtime.tensor_parallel import (expand_op_shardings, implicit_replication, parse_placement,
+                                             plan_param_placement, rewrite_group, to_dtensor, to_local_replicated,
+                                             unpermute_chunks)
 
 __all__ = ["ParallelProgram", "build_program"]
 
@@ -59,7 +60,7 @@ class ParallelProgram:
 
     def __init__(self, *, plan: ir.Plan, mesh: DeviceMesh, stages: list[StageModule], stage_indices: list[int],
                  loss_fn: Loss, device: torch.device, chunks: dict[str, int], aliases: dict[str, list[str]],
-                 tie_groups: dict[str, dist.ProcessGroup]) -> None:
+                 tie_groups: dict[str, dist.ProcessGroup], non_persistent: frozenset[str] = frozenset()) -> None:
         self.plan = plan
         self.mesh = mesh
         self.stages = stages
@@ -67,10 +68,11 @@ class ParallelProgram:
         self.loss_fn = loss_fn
         self.device = device
         self.coords = plan.mesh.coords(dist.get_rank())
-        self._chunks = chunks
+        self._chunks = chunks  # read by codegen.checkpoint (older versions); same dict as .chunks
         self._aliases = aliases
         self._canon = {a: c for c, names in aliases.items() for a in names}
         self._tie_groups = tie_groups
+        self._non_persistent = non_persistent
         self._fsdp = plan.zero >= 1 and plan.mesh.dp > 1
         self.schedule = None
         if plan.mesh.pp > 1:
@@ -100,6 +102,29 @@ class ParallelProgram:
                 if id(p) not in seen:
                     seen.add(id(p))
                     yield self._canon.get(_strip(n), _strip(n)), p
+
+    def named_buffers(self, *, persistent_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """(original FQN, buffer) for this rank's buffers, each tensor once (``persistent_only``: only those the
+        model's ``state_dict`` holds, e.g. for checkpoints; RoPE tables are usually non-persistent).  Persistence is
+        the original model's: fx group modules register every buffer they copy as persistent."""
+        seen: set[int] = set()
+        for s in self.stages:
+            for mname, mod in s.named_modules():
+                for k, b in mod._buffers.items():
+                    if b is None or id(b) in seen:
+                        continue
+                    seen.add(id(b))
+                    fqn = _strip(f"{mname}.{k}" if mname else k)
+                    fqn = self._canon.get(fqn, fqn)
+                    if not (persistent_only and fqn in self._non_persistent):
+                        yield fqn, b
+
+    @property
+    def chunks(self) -> dict[str, int]:
+        """Parameter FQN -> number of chunks it is stored interleaved in (fused projections under tensor
+        parallelism, e.g. 3 for GPT's qkv: :func:`codegen.runtime.tensor_parallel.permute_chunks`); parameters
+        stored in the model's layout are absent (1).  A copy: the layout is fixed when the program is built."""
+        return dict(self._chunks)
 
     @property
     def is_last_stage(self) -> bool:
@@ -229,8 +254,8 @@ def build_program(plan: ir.Plan, model: Any, *, loss_fn: Loss | None = None,
     pp_rank, dp_rank, tp_rank = plan.mesh.coords(dist.get_rank())
     indices = local_stage_indices(plan, pp_rank)
     tp_mesh = mesh["tp"] if plan.mesh.tp > 1 else None
-    stages, group_lists, chunks = _make_stages(plan, graph, split, indices, tp_mesh)
     canon = {a: c for c, names in aliases.items() for a in names}
+    stages, group_lists, chunks = _make_stages(plan, graph, split, indices, tp_mesh, aliases)
     chunks = {canon.get(k, k): v for k, v in chunks.items()}
     if tp_mesh is not None:
         _distribute_params(stages, tp_mesh, plan, canon)
@@ -243,20 +268,33 @@ def build_program(plan: ir.Plan, model: Any, *, loss_fn: Loss | None = None,
     log.info("rank %d: stages %s, %d local parameter tensors", dist.get_rank(), indices,
              sum(1 for s in stages for _ in s.parameters()))
     return ParallelProgram(plan=plan, mesh=mesh, stages=stages, stage_indices=indices, loss_fn=loss_fn, device=dev,
-                           chunks=chunks, aliases=aliases, tie_groups=tie_groups)
+                           chunks=chunks, aliases=aliases, tie_groups=tie_groups,
+                           non_persistent=frozenset(canon.get(f, f) for f in _non_persistent(meta)))
 
 
-def _make_stages(plan: ir.Plan, graph: ir.Graph, split: SplitModel, indices: list[int],
-                 tp_mesh: DeviceMesh | None) -> tuple[list[StageModule], list[list[nn.Module]], dict[str, int]]:
+def _non_persistent(model: nn.Module) -> Iterator[str]:
+    for mname, mod in model.named_modules():
+        for k in mod._non_persistent_buffers_set:
+            yield f"{mname}.{k}" if mname else k
+
+
+def _make_stages(plan: ir.Plan, graph: ir.Graph, split: SplitModel, indices: list[int], tp_mesh: DeviceMesh | None,
+                 aliases: dict[str, list[str]]) -> tuple[list[StageModule], list[list[nn.Module]], dict[str, int]]:
     ops = expand_op_shardings(plan, graph) if tp_mesh is not None else {}
+    canon = {a: c for c, names in aliases.items() for a in names}
+
+    def placement_of(fqn: str) -> str:
+        c = canon.get(fqn, fqn)
+        return plan_param_placement(plan, aliases.get(c, [c]))
+
     stages, group_lists, chunks = [], [], {}
     for i in indices:
         st = plan.stages[i]
         ids = list(range(st.layer_start, st.layer_end))
         groups = _fuse([split.groups[g] for g in ids], plan, tp_mesh)
         for g in groups:
-            chunks.update(rewrite_group(g, graph, plan, tp_mesh, ops,
-                                        selective_recompute=st.recompute == "selective"))
+            chunks.update(rewrite_group(g, graph, plan, tp_mesh, ops, selective_recompute=st.recompute == "selective",
+                                        placement_of=placement_of))
         wrap_in = (lambda x, m=tp_mesh: to_dtensor(x, m)) if tp_mesh is not None else None
         wrap_out = to_local_replicated if tp_mesh is not None else None
         stages.append(StageModule(groups, [split.specs[g] for g in ids], split.live_at(st.layer_start),
@@ -290,11 +328,7 @@ def _distribute_params(stages: list[StageModule], mesh: DeviceMesh, plan: ir.Pla
                 if id(p) not in new:
                     fqn = canon.get(_strip(f"{mname}.{k}"), _strip(f"{mname}.{k}"))
                     names = {a for a, c in canon.items() if c == fqn} | {fqn}
-                    placements = {plan.placement_of(a) for a in names}
-                    if len(placements) > 1:
-                        raise ValueError(f"tied parameters {sorted(names)} have different placements "
-                                         f"{sorted(placements)} in the plan; give them one placement")
-                    pl = parse_placement(placements.pop())
+                    pl = parse_placement(plan_param_placement(plan, names))
                     shape, _ = compute_local_shape_and_global_offset(p.shape, mesh, [pl])
                     local = torch.empty(shape, dtype=p.dtype, device="meta")
                     dt = DTensor.from_local(local, mesh, [pl], run_check=False, shape=p.shape, stride=p.stride())

@@ -26,7 +26,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -39,21 +40,53 @@ from torch.utils.checkpoint import checkpoint
 
 import ir
 
-__all__ = ["implicit_replication", "parse_placement", "Place", "LocalView", "HeadSDPA", "expand_op_shardings", "rewrite_group",
+__all__ = ["implicit_replication", "parse_placement", "param_layout", "plan_param_placement", "Place", "LocalView", "HeadSDPA", "expand_op_shardings", "rewrite_group",
            "permute_chunks", "unpermute_chunks", "to_dtensor", "to_local_replicated"]
 
 log = logging.getLogger(__name__)
 
 
+_PLACEMENT = re.compile(r"^S\((\d+)\)(?:\[(\d+)\])?$")
+
+
 def parse_placement(s: str) -> Placement:
-    """``R`` / ``P`` / ``S(d)`` -> the DTensor placement."""
+    """``R`` / ``P`` / ``S(d)`` -> the DTensor placement (an interleaved ``S(d)[k]`` is ``Shard(d)`` of the
+    chunk-interleaved layout, see :func:`param_layout`)."""
+    return param_layout(s)[0] if s.startswith("S(") else _parse_simple(s)
+
+
+def _parse_simple(s: str) -> Placement:
     if s == "R":
         return Replicate()
     if s == "P":
         return Partial()
-    if s.startswith("S(") and s.endswith(")"):
-        return Shard(int(s[2:-1]))
-    raise ValueError(f"unknown placement {s!r} (expected R, P or S(d))")
+    raise ValueError(f"unknown placement {s!r} (expected R, P, S(d) or S(d)[k])")
+
+
+def param_layout(s: str) -> tuple[Placement, int]:
+    """(DTensor placement, chunks) of a parameter placement: ``S(0)[3]`` is a fused projection of 3 chunks
+    (q, k, v) each sharded on dim 0 — stored chunk-interleaved so ``Shard(0)`` gives every rank its slice of each
+    chunk (:func:`permute_chunks`); ``R`` / ``S(d)`` have one chunk."""
+    m = _PLACEMENT.match(s)
+    if m is None:
+        return _parse_simple(s), 1
+    return Shard(int(m.group(1))), int(m.group(2) or 1)
+
+
+def plan_param_placement(plan: ir.Plan, names: Iterable[str]) -> str:
+    """The plan's placement of a parameter known under ``names`` (tied weights: the planner names the traced
+    graph's FQN only, e.g. ``wte.weight`` and not ``lm_head.weight``).  Names no pattern matches are replicated by
+    default and do not count; explicit placements that disagree are an error."""
+    explicit: dict[str, list[str]] = {}
+    for n in sorted(set(names)):
+        for ps in plan.param_shardings:
+            if ps.matches(n):
+                explicit.setdefault(ps.placement, []).append(n)
+                break
+    if len(explicit) > 1:
+        raise ValueError(f"tied parameters {sorted(set(names))} have different placements in the plan "
+                         f"({explicit}); give them one placement")
+    return next(iter(explicit), "R")
 
 
 @contextlib.contextmanager
@@ -209,8 +242,12 @@ def _pinned_inputs(node: ir.Node, op: ir.OpSharding) -> list[tuple[str, str]]:
     return [(n, p) for n, p in pairs if n not in node.params and p != "P"]
 
 
-def _view_chunks(graph: ir.Graph, linear: str, view: str, tp: int) -> tuple[int, int]:
-    """(chunks, shard_dim of the view output) for a view splitting the last dim of a column-parallel output."""
+def _view_chunks(graph: ir.Graph, linear: str, view: str, tp: int, planned: int = 1) -> tuple[int, int]:
+    """(chunks, shard_dim of the view output) for a view splitting the last dim of a column-parallel output.
+
+    The view output is sharded on its first head count that tp divides (GPT's fused qkv: 3 chunks of heads).  When
+    tp divides no head count (Llama's 2 kv heads on tp=4) it is sharded on head_dim within each head only if the plan
+    asks for that layout, ``S(0)[k]`` with k = the number of heads: every head is then one chunk."""
     src, dst = graph.node(linear).out.shape, graph.node(view).out.shape
     lead = len(src) - 1
     if len(dst) <= len(src) or tuple(dst[:lead]) != tuple(src[:lead]):
@@ -219,18 +256,25 @@ def _view_chunks(graph: ir.Graph, linear: str, view: str, tp: int) -> tuple[int,
     for j, f in enumerate(factors[:-1]):
         if f % tp == 0:
             return math.prod(factors[:j]), lead + j
+    if planned > 1 and planned == math.prod(factors[:-1]) and factors[-1] % tp == 0:
+        return planned, len(dst) - 1
     raise ValueError(f"tp={tp} divides none of the head counts in {view} {tuple(dst)} (output of {linear}); "
-                     "choose a tp that divides the number of (key/value) heads")
+                     "choose a tp that divides the number of (key/value) heads, or a plan that shards head_dim "
+                     f"(S(0)[{math.prod(factors[:-1])}] on the weight, as the planner emits)")
 
 
 def rewrite_group(gm: fx.GraphModule, graph: ir.Graph, plan: ir.Plan, mesh: DeviceMesh | None,
-                  ops: dict[str, ir.OpSharding], *, selective_recompute: bool) -> dict[str, int]:
+                  ops: dict[str, ir.OpSharding], *, selective_recompute: bool,
+                  placement_of: Callable[[str], str] | None = None) -> dict[str, int]:
     """Insert placements, local fused views and DTensor attention into one group module, in place.
 
-    Returns ``{param fqn: chunks}`` for parameters stored chunk-interleaved (fused projections)."""
+    ``placement_of(fqn)`` is the plan's placement of a parameter (default :meth:`ir.Plan.placement_of`; the program
+    passes one that resolves tied names).  Returns ``{param fqn: chunks}`` for parameters stored chunk-interleaved
+    (fused projections)."""
+    placement_of = placement_of or plan.placement_of
     chunks: dict[str, int] = {}
     tp = mesh.size() if mesh is not None else 1
-    by_name = {n.name: n for n in gm.graph.nodes}
+    current = {n.name: n for n in gm.graph.nodes}
     erased: set[str] = set()
     for n in list(gm.graph.nodes):
         if n.name in erased:
@@ -241,40 +285,61 @@ def rewrite_group(gm: fx.GraphModule, graph: ir.Graph, plan: ir.Plan, mesh: Devi
         if mesh is None:
             continue
         if n.op == "call_module" and isinstance(gm.get_submodule(str(n.target)), nn.Linear):
-            if plan.placement_of(f"{n.target}.weight") == "S(0)" and len(n.users) == 1:
-                user = next(iter(n.users))
-                if _is_view(user) and graph.has_node(user.name):
-                    c, dim = _view_chunks(graph, n.name, user.name, tp)
-                    if c > 1:
-                        for p in ("weight", "bias"):
-                            if getattr(gm.get_submodule(str(n.target)), p, None) is not None:
-                                chunks[f"{n.target}.{p}"] = c
-                        erased.add(user.name)
-                        _swap_node(gm, user, LocalView(mesh, dim), f"_view_{user.name}")
+            chunks.update(_fused_projection(gm, graph, n, placement_of, mesh, erased, current))
         op = ops.get(n.name)
         if op is not None and graph.has_node(n.name):
-            _pin(gm, n, graph.node(n.name), op, mesh, by_name)
+            _pin(gm, n, graph.node(n.name), op, mesh, current)
     gm.graph.lint()
     gm.recompile()
     return chunks
+
+
+def _fused_projection(gm: fx.GraphModule, graph: ir.Graph, n: fx.Node, placement_of: Callable[[str], str],
+                      mesh: DeviceMesh, erased: set[str], current: dict[str, fx.Node]) -> dict[str, int]:
+    """A column-parallel Linear whose output a view splits into (chunks, heads, head_dim): store the weight (and
+    bias) chunk-interleaved and view the local shard (:class:`LocalView`).  ``{param: chunks}`` when it applies."""
+    tp = mesh.size()
+    placement, k = param_layout(placement_of(f"{n.target}.weight"))
+    if placement != Shard(0):
+        return {}
+    user = next(iter(n.users)) if len(n.users) == 1 else None
+    c, dim = 1, -1
+    if user is not None and _is_view(user) and graph.has_node(user.name):
+        c, dim = _view_chunks(graph, n.name, user.name, tp, k)
+    if k != c:
+        # The storage layout is the runtime's business: DTensor keeps global semantics, so a contiguous shard is
+        # exact too (only the collectives differ from the ones the planner costed).
+        log.debug("%s.weight: plan layout S(0)[%d], runtime stores %d chunk(s)", n.target, k, c)
+    if c == 1:
+        return {}
+    assert user is not None
+    erased.add(user.name)
+    current[user.name] = _swap_node(gm, user, LocalView(mesh, dim), f"_view_{user.name}")
+    mod = gm.get_submodule(str(n.target))
+    return {f"{n.target}.{p}": c for p in ("weight", "bias") if getattr(mod, p, None) is not None}
 
 
 def _is_view(n: fx.Node) -> bool:
     return n.op == "call_method" and n.target in ("view", "reshape")
 
 
-def _swap_node(gm: fx.GraphModule, n: fx.Node, mod: nn.Module, name: str) -> None:
+def _swap_node(gm: fx.GraphModule, n: fx.Node, mod: nn.Module, name: str) -> fx.Node:
     gm.add_submodule(name, mod)
     with gm.graph.inserting_before(n):
         new = gm.graph.call_module(name, n.args, dict(n.kwargs))
     n.replace_all_uses_with(new)
     gm.graph.erase_node(n)
+    return new
 
 
 def _pin(gm: fx.GraphModule, n: fx.Node, node: ir.Node, op: ir.OpSharding, mesh: DeviceMesh,
-         by_name: dict[str, fx.Node]) -> None:
+         current: dict[str, fx.Node]) -> None:
+    """Pin ``n``'s activation inputs and output to the plan's placements.  ``current`` maps a value's name to the
+    fx node that now carries it (the producer's output pin, a swapped-in module), so a consumer's pin applies on top
+    of its producer's: a sequence-parallel norm's ``S(1)`` output is all-gathered for a column-parallel Linear that
+    consumes ``R`` (Korthikanti et al. 2022, the ``g`` operator)."""
     for k, (inp, placement) in enumerate(_pinned_inputs(node, op)):
-        src = by_name.get(inp)
+        src = current.get(inp)
         if src is None or src not in n.all_input_nodes:
             continue
         name = f"_place_{n.name}_in{k}"
@@ -288,6 +353,7 @@ def _pin(gm: fx.GraphModule, n: fx.Node, node: ir.Node, op: ir.OpSharding, mesh:
         with gm.graph.inserting_after(n):
             p = gm.graph.call_module(name, (n,))
         n.replace_all_uses_with(p, delete_user_cb=lambda u: u is not p)
+        current[n.name] = p
 
 
 def permute_chunks(t: torch.Tensor, chunks: int, tp: int) -> torch.Tensor:

@@ -6,6 +6,7 @@ fields), so the runtime can be exercised without the planner.  :func:`spawn` run
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -16,10 +17,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.tensor.debug import CommDebugMode
 
 import ir
 
-__all__ = ["COLWISE", "ROWWISE", "make_plan", "megatron_shardings", "spawn", "free_port"]
+__all__ = ["COLWISE", "ROWWISE", "make_plan", "megatron_shardings", "spawn", "free_port", "parity_worker",
+           "reference_step", "collective_counts"]
 
 COLWISE = ("qkv", "fc1", "w_gate", "w_up", "wq", "wk", "wv")
 """Linear modules that Megatron-LM shards by output features (S(0) on the weight)."""
@@ -115,6 +118,17 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
         return [torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False) for r in range(world)]
 
 
+def collective_counts(cm: CommDebugMode) -> dict[str, int]:
+    """``{"all_reduce": n, "reduce_scatter": m, ...}``: the DTensor/functional collectives CommDebugMode saw
+    (forward and backward; pipeline p2p and FSDP2's own collectives are not DTensor ops and are not counted)."""
+    out: dict[str, int] = {}
+    for op, n in cm.get_comm_counts().items():
+        name = str(op).split(".")[-1].rstrip("_").replace("allreduce", "all_reduce")
+        name = {"reduce_scatter_tensor": "reduce_scatter", "all_gather_into_tensor": "all_gather"}.get(name, name)
+        out[name] = out.get(name, 0) + n
+    return out
+
+
 def reference_step(model_name: str, batch: int, seq: int, seed: int, lr: float) -> tuple[float, dict[str, torch.Tensor]]:
     """Single-process loss and SGD-updated parameters (all names) for the parity tests."""
     from examples.zoo import build
@@ -130,9 +144,13 @@ def reference_step(model_name: str, batch: int, seq: int, seed: int, lr: float) 
 
 def parity_worker(rank: int, configs: list[dict[str, Any]], model_name: str | list[str], batch: int, seq: int,
                   lr: float = 1.0) -> dict[str, dict[str, float]]:
-    """For each config (make_plan kwargs + ``init``), one SGD step (lr 1: the update is the gradient itself) under the plan vs the single-process step.
+    """For each config, one SGD step (lr 1: the update is the gradient itself) under a plan vs the single-process
+    step.  A config holds ``name``, optional ``init`` and ``count_comms``, and either :func:`make_plan` kwargs or
+    ``plan``: an ``ir.Plan`` or ``{model name: Plan}`` (e.g. plans the planner emitted; a model without one is
+    skipped).
 
-    Returns ``{config name: {"loss": |dloss|/loss, "param": .., "update": .., "loss_value": loss}}``: "param" is the
+    Returns ``{config name: {"loss": |dloss|/loss, "param": .., "update": .., "loss_value": loss}}`` (and ``"comms"``:
+    :func:`collective_counts` of the step, for ``count_comms`` configs without a pipeline): "param" is the
     largest norm-wise relative error (max|got-ref| / max|ref|) of an updated parameter, "update" that of the update
     (= the gradient, at lr 1), which is far more sensitive."""
     from examples.zoo import build
@@ -153,14 +171,27 @@ def parity_worker(rank: int, configs: list[dict[str, Any]], model_name: str | li
     for cfg in configs:
         cfg = dict(cfg)
         name = cfg.pop("name")
+        count_comms = bool(cfg.pop("count_comms", False))
         init = cfg.pop("init", "copy")
-        dp, nmb = cfg.get("dp", 1), cfg.get("num_microbatches", 1)
-        plan = make_plan(graph, micro_batch=batch // (dp * nmb), model=model_name, **cfg)
+        plan = cfg.pop("plan", None)
+        if isinstance(plan, dict):  # planner-emitted plans, one per model (a model without one is skipped)
+            if model_name not in plan:
+                continue
+            plan = plan[model_name]
+        if plan is None:
+            dp, nmb = cfg.get("dp", 1), cfg.get("num_microbatches", 1)
+            plan = make_plan(graph, micro_batch=batch // (dp * nmb), model=model_name, **cfg)
+        elif plan.global_batch != batch:
+            raise ValueError(f"config {name}: the plan is for global batch {plan.global_batch}, not {batch}")
         src = spec if init == "copy" else build(model_name, batch=batch, device="meta", seq=seq)
         prog = build_program(plan, src, loss_fn=spec.loss_fn, example_inputs=spec.example_inputs, graph=graph,
                              init=init, seed=0)
         opt = torch.optim.SGD(prog.parameters(), lr=lr)
-        loss = prog.step(spec.example_inputs, target)
+        # CommDebugMode's module tracker breaks torch.distributed.pipelining's autograd.grad: no counts under pp
+        count_comms = count_comms and plan.mesh.pp == 1
+        cm = CommDebugMode() if count_comms else contextlib.nullcontext()
+        with cm:
+            loss = prog.step(spec.example_inputs, target)
         opt.step()
         got = prog.gathered_state_dict()
         err, upd, worst = 0.0, 0.0, ""
@@ -174,5 +205,7 @@ def parity_worker(rank: int, configs: list[dict[str, Any]], model_name: str | li
             err, upd = max(err, e), max(upd, u)
         out[name] = {"loss": abs(loss - ref_loss) / abs(ref_loss), "param": err, "update": upd,
                      "worst": worst, "loss_value": loss}  # type: ignore[dict-item]
+        if count_comms:
+            out[name]["comms"] = collective_counts(cm)  # type: ignore[arg-type,assignment]
         dist.barrier()
     return out
