@@ -316,12 +316,13 @@ class Checkpointer:
         return load_checkpoint(source, optimizer, found[0])
 
     def maybe_save(self, source: Source, optimizer: torch.optim.Optimizer | None, step: int, *,
-                   force: bool = False) -> Path | None:
-        """Save if ``step`` is a multiple of ``every`` (or ``force``); prune old checkpoints."""
+                   force: bool = False, extra: dict[str, Any] | None = None) -> Path | None:
+        """Save if ``step`` is a multiple of ``every`` (or ``force``); prune old checkpoints.  ``extra``: metadata
+        for ``autopar.json`` (see :func:`save_checkpoint`)."""
         every = self.options.every
         if not force and (every == 0 or step % every):
             return None
-        path = save_checkpoint(source, optimizer, step, self.options.root)
+        path = save_checkpoint(source, optimizer, step, self.options.root, extra=extra)
         if _rank() == 0 and self.options.keep:
             done = sorted(d for d in Path(self.options.root).glob("step_*") if d.name[5:].isdigit())
             for d in done[:-self.options.keep]:

@@ -131,10 +131,32 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from codegen.runtime.launch import run_plan
+    from codegen.runtime.launch import check_checkpoint_dir, run_plan
 
-    return int(run_plan(args.plan, args.model, steps=args.steps, nproc=args.nproc,
-                        extra_torchrun_args=args.torchrun_args or []))
+    worker: list[str] = ["--data", args.data]
+    if args.report:
+        worker += ["--report", str(Path(args.report).resolve())]
+    if args.checkpoint_dir:
+        from codegen.checkpoint import CheckpointOptions
+
+        ckpt = str(Path(args.checkpoint_dir).resolve())
+        CheckpointOptions(root=ckpt, every=args.save_every, keep=args.keep)  # validates before launching
+        start = check_checkpoint_dir(ckpt, args.resume)
+        if start is not None and start > args.steps:
+            raise ValueError(f"the checkpoint in {ckpt} is at step {start}, beyond --steps {args.steps}")
+        worker += ["--checkpoint-dir", ckpt, "--save-every", str(args.save_every), "--keep", str(args.keep)]
+        worker += ["--resume"] if args.resume else []
+    elif args.resume or args.save_every:
+        raise ValueError("--resume and --save-every need --checkpoint-dir")
+    elif args.max_restarts:
+        log.warning("--max-restarts without --checkpoint-dir: a restarted group trains again from step 0")
+    try:
+        return int(run_plan(args.plan, args.model, steps=args.steps, nproc=args.nproc,
+                            extra_torchrun_args=args.torchrun_args or [], worker_args=worker,
+                            max_restarts=args.max_restarts, timeout_s=args.timeout))
+    except TimeoutError as e:
+        print(f"autopar: error: {e}", file=sys.stderr)
+        return 124
 
 
 def _cmd_replan(args: argparse.Namespace) -> int:
@@ -149,12 +171,14 @@ def _cmd_replan(args: argparse.Namespace) -> int:
     old.check_compatible(fingerprint=graph.fingerprint)
     profile = resolve_cluster(args.cluster or old.cluster, args.nodes)
     pins = parse_pins(args.pin) if args.pin else {}
-    opts = PlanOptions(global_batch=args.global_batch or old.global_batch, pins=pins, dtype=old.dtype)  # type: ignore
+    opts = PlanOptions(global_batch=args.global_batch or old.global_batch, pins=pins, dtype=old.dtype,  # type: ignore
+                       fused_kernels=old.fused_kernels)
     new = search(graph, profile, opts).best
     print(diff_plans(old, new), end="")
     out = args.output or str(Path(args.plan).with_suffix("")) + f".{args.nodes}n.yaml"
     dump_plan(new, out)
-    print(f"wrote {out}; checkpoints saved under the old plan load into it (autopar run {out} --resume DIR)")
+    print(f"wrote {out}; checkpoints saved under the old plan load into it, resharded "
+          f"(autopar run {out} --model {new.model} --resume --checkpoint-dir DIR --steps N)")
     return 0
 
 
@@ -217,6 +241,17 @@ def build_parser() -> argparse.ArgumentParser:
     rn.add_argument("--model", required=True)
     rn.add_argument("--steps", type=int, default=10)
     rn.add_argument("--nproc", type=int, default=None, help="processes (default: the plan's world size)")
+    rn.add_argument("--checkpoint-dir", default=None, help="save checkpoints here; resume from them after a restart")
+    rn.add_argument("--save-every", type=int, default=0, help="checkpoint every K steps (0: after the last step only)")
+    rn.add_argument("--keep", type=int, default=2, help="checkpoints to keep (0: all)")
+    rn.add_argument("--resume", action="store_true",
+                    help="continue from the latest checkpoint in --checkpoint-dir (e.g. under a re-planned mesh)")
+    rn.add_argument("--max-restarts", type=int, default=0,
+                    help="torchrun restarts of the group after a rank fails (each resumes from the last checkpoint)")
+    rn.add_argument("--data", choices=["example", "step"], default="example",
+                    help="example: the model's example batch every step; step: a fresh batch seeded by the step")
+    rn.add_argument("--report", default=None, help="write a JSON report (losses, times, parameter SHA-256) here")
+    rn.add_argument("--timeout", type=float, default=None, help="stop torchrun and its workers after this many s")
     rn.add_argument("--torchrun-args", nargs=argparse.REMAINDER, help="passed to torchrun (e.g. --nnodes 2 ...)")
     rn.set_defaults(func=_cmd_run)
 

@@ -5,13 +5,29 @@ from the plan, runs AdamW, and logs loss and step time.  At the end it measures 
 (forward + backward of one micro-batch, replayed on inputs captured during training, all tp/dp peers of the stage
 together) and logs measured vs predicted step time: the plan's ``time.total`` against the median step, and per
 stage ``(fwd_s + bwd_s) x num_microbatches`` against the measurement.  ``--report`` writes the numbers as JSON.
+
+Checkpoints (``--checkpoint-dir D``): the program and optimizer are saved every ``--save-every`` steps and after
+the last step (:class:`codegen.checkpoint.Checkpointer`, resharding on load, so a checkpoint loads under another
+plan).  When torchrun restarts the group after a rank died (``TORCHELASTIC_RESTART_COUNT > 0``) the workers resume
+from the latest checkpoint, losing only the steps since it; ``--resume`` resumes at the first start too (e.g. under
+a re-planned mesh).  ``--data step`` draws every step's batch from a generator seeded by the step number, so a
+resumed run sees the same batches as an uninterrupted one; ``--data example`` (default) trains on the model's
+example batch every step.
+
+Test hook: with ``AUTOPAR_TEST_KILL_AT_STEP=S`` (and ``AUTOPAR_TEST_KILL_RANK=R``, default 1) rank R exits hard
+(``os._exit(1)``, no cleanup) right after step S, before that step's checkpoint, but only on torchrun's first
+attempt (``TORCHELASTIC_RESTART_COUNT`` 0) so the restarted group can finish.  Used by tests/test_run_resume.py to
+simulate a crashed rank; never set it in real runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
+import math
+import os
 import statistics
 import sys
 import time
@@ -21,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["main", "run_worker", "measure_stages"]
+__all__ = ["main", "run_worker", "measure_stages", "step_batch", "state_digest"]
 
 log = logging.getLogger("codegen.runtime.worker")
 
@@ -37,7 +53,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--init", choices=["seed", "copy"], default="seed",
                    help="seed: meta model initialized shard by shard; copy: build the full model, copy shards")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--report", default=None, help="write a JSON report here (rank 0)")
+    p.add_argument("--report", default=None,
+                   help="write a JSON report here (rank 0), with a SHA-256 of every final parameter (model layout)")
+    p.add_argument("--data", choices=["example", "step"], default="example",
+                   help="example: the model's example batch every step; step: a batch seeded by the step number")
+    p.add_argument("--checkpoint-dir", default=None, help="save checkpoints here (shared by all ranks)")
+    p.add_argument("--save-every", type=int, default=0, help="save every K steps (0: only after the last step)")
+    p.add_argument("--keep", type=int, default=2, help="checkpoints to keep (0: all)")
+    p.add_argument("--resume", action="store_true",
+                   help="resume from the latest checkpoint in --checkpoint-dir (automatic after a torchrun restart)")
     return p
 
 
@@ -94,15 +118,43 @@ def _plan_graph(plan: Any, model: str, seq: int | None) -> Any:
     return first
 
 
-def run_worker(args: argparse.Namespace) -> dict[str, Any]:
+def step_batch(spec: Any, step: int, seed: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """The synthetic batch of ``step``: tensors shaped like the spec's example inputs and target, drawn from a
+    generator seeded by ``(seed, step)``.  Floating tensors are standard normal; integer tensors (token ids, class
+    labels) uniform over the range the example tensor spans, so ids stay valid for the model."""
+    gen = torch.Generator().manual_seed(1_000_003 * (seed + 1) + step)
+
+    def like(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point():
+            return torch.randn(t.shape, generator=gen).to(t.dtype)
+        if t.dtype == torch.bool:
+            return torch.randint(0, 2, t.shape, generator=gen).bool()
+        lo, hi = (int(t.min()), int(t.max()) + 1) if t.numel() else (0, 1)
+        return torch.randint(lo, hi, t.shape, generator=gen, dtype=t.dtype)
+
+    target = spec.make_target(spec.batch, "cpu")
+    return tuple(like(x.cpu()) for x in spec.example_inputs), like(target)
+
+
+def state_digest(program: Any) -> dict[str, str]:
+    """SHA-256 of every parameter's full tensor in model layout, by model FQN (collective over the world)."""
+    out = {}
+    for fqn, t in sorted(program.gathered_state_dict().items()):
+        out[fqn] = hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+    return out
+
+
+def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """(plan, spec, program) for this rank."""
     import ir
     from codegen.runtime.mesh import default_device
     from codegen.runtime.program import build_program
     from examples.zoo import build
 
     plan = ir.load_plan(args.plan)
-    device = default_device()
     spec = build(args.model, batch=plan.global_batch, device="cpu", seq=args.seq, seed=args.seed)
+    if spec.make_target is None:
+        raise ValueError(f"model {args.model} has no target maker; the worker needs a zoo-style ModelSpec")
     graph = _plan_graph(plan, args.model, args.seq)
     param_dtype = str(next(iter(spec.model.parameters())).dtype).removeprefix("torch.")
     if plan.dtype != param_dtype and dist.get_rank() == 0:  # the runtime has no mixed precision (yet)
@@ -111,19 +163,71 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
                     param_dtype)
     src = spec if args.init == "copy" else build(args.model, batch=plan.global_batch, device="meta", seq=args.seq)
     program = build_program(plan, src, loss_fn=spec.loss_fn, example_inputs=spec.example_inputs, graph=graph,
-                            device=device, init=args.init, seed=args.seed)
+                            device=default_device(), init=args.init, seed=args.seed)
+    return plan, spec, program
+
+
+def _resume(args: argparse.Namespace, plan: Any, program: Any, opt: torch.optim.Optimizer) -> tuple[Any, int]:
+    """(Checkpointer or None, the step to start from)."""
+    from codegen.checkpoint import CheckpointOptions, Checkpointer, latest_checkpoint
+
+    if not args.checkpoint_dir:
+        if args.resume or args.save_every:
+            raise ValueError("--resume and --save-every need --checkpoint-dir")
+        return None, 0
+    ck = Checkpointer(CheckpointOptions(root=args.checkpoint_dir, every=args.save_every, keep=args.keep))
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    found = latest_checkpoint(args.checkpoint_dir)
+    if not (args.resume or restart):
+        if found is not None:
+            raise ValueError(f"{args.checkpoint_dir} already holds a checkpoint (step {found[1]}); pass --resume "
+                             "to continue from it, or choose an empty --checkpoint-dir")
+        return ck, 0
+    if found is None:
+        if args.resume and not restart:
+            raise FileNotFoundError(f"--resume: no checkpoint in {args.checkpoint_dir}")
+        log.info("restart %d: no checkpoint saved yet, starting from step 0", restart)
+        return ck, 0
+    start = ck.resume(program, opt)
+    if start > args.steps:
+        raise ValueError(f"the checkpoint is at step {start}, beyond --steps {args.steps}; ask for more steps")
+    if dist.get_rank() == 0:
+        meta_file = found[0] / "autopar.json"
+        saved = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+        log.info("resumed from step %d (%s; saved under mesh pp,dp,tp=%s, now %s)%s", start, found[0],
+                 saved.get("mesh", "?"), [plan.mesh.pp, plan.mesh.dp, plan.mesh.tp],
+                 f" after torchrun restart {restart}" if restart else "")
+    return ck, start
+
+
+def _maybe_kill(done: int) -> None:
+    """Test hook (see the module docstring): exit hard after step ``AUTOPAR_TEST_KILL_AT_STEP`` on the first try."""
+    at = os.environ.get("AUTOPAR_TEST_KILL_AT_STEP")
+    if (at and int(at) == done and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+            and dist.get_rank() == int(os.environ.get("AUTOPAR_TEST_KILL_RANK", "1"))):
+        log.warning("AUTOPAR_TEST_KILL_AT_STEP: rank %d exits after %d steps", dist.get_rank(), done)
+        os._exit(1)
+
+
+def run_worker(args: argparse.Namespace) -> dict[str, Any]:
+    plan, spec, program = _build(args)
     captured: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def capture(idx: int, inputs: tuple[Any, ...]) -> None:  # returns None: a pre-hook's result replaces the inputs
+        if idx not in captured:
+            captured[idx] = tuple(t.detach().clone() for t in inputs)
+
     for idx, stage in zip(program.stage_indices, program.stages):
-        stage.register_forward_pre_hook(
-            lambda m, a, idx=idx: captured.setdefault(idx, tuple(t.detach().clone() for t in a)))
+        stage.register_forward_pre_hook(lambda m, a, idx=idx: capture(idx, a))
     opt = torch.optim.AdamW(program.parameters(), lr=args.lr)
-    target = spec.make_target(plan.global_batch, "cpu") if spec.make_target else None
-    if target is None:
-        raise ValueError(f"model {args.model} has no target maker; the worker needs a zoo-style ModelSpec")
+    ck, start = _resume(args, plan, program, opt)
+    extra = {"plan": str(args.plan), "model": args.model, "mesh": [plan.mesh.pp, plan.mesh.dp, plan.mesh.tp]}
+    target = spec.make_target(plan.global_batch, "cpu")
     losses, times = [], []
-    for step in range(args.steps):
+    for step in range(start, args.steps):
+        inputs, tgt = step_batch(spec, step, args.seed) if args.data == "step" else (spec.example_inputs, target)
         t0 = _synced_time()
-        loss = program.step(spec.example_inputs, target)
+        loss = program.step(inputs, tgt)
         opt.step()
         opt.zero_grad(set_to_none=True)
         dt = _synced_time() - t0
@@ -131,6 +235,18 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
         times.append(dt)
         if dist.get_rank() == 0:
             log.info("step %d  loss %.5f  time %.4f s", step, loss, dt)
+        _maybe_kill(step + 1)
+        if ck is not None:
+            ck.maybe_save(program, opt, step + 1, force=step + 1 == args.steps, extra=extra)
+    digest = state_digest(program) if args.report else {}
+    report = _report(args, plan, program, captured, losses, times)
+    report.update(start_step=start, restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                  param_sha256=digest)
+    return report
+
+
+def _report(args: argparse.Namespace, plan: Any, program: Any, captured: dict[int, tuple[torch.Tensor, ...]],
+            losses: list[float], times: list[float]) -> dict[str, Any]:
     stage_s = measure_stages(program, captured)
     gathered: list[dict[int, float] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, stage_s)
@@ -139,16 +255,15 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
         for k, v in (g or {}).items():
             per_stage[k] = max(per_stage.get(k, 0.0), v)
     timed = times[args.warmup:] or times
-    report = {
+    return {
         "plan": args.plan, "model": args.model, "mesh": [plan.mesh.pp, plan.mesh.dp, plan.mesh.tp],
         "zero": plan.zero, "schedule": plan.schedule, "num_microbatches": plan.num_microbatches,
-        "losses": losses, "step_times": times, "measured_step_s": statistics.median(timed),
+        "losses": losses, "step_times": times, "measured_step_s": statistics.median(timed) if timed else math.nan,
         "predicted_step_s": plan.time.total,
         "stages": [{"index": i, "predicted_s": (s.fwd_s + s.bwd_s) * plan.num_microbatches,
                     "measured_s": per_stage.get(i, float("nan")) * plan.num_microbatches}
                    for i, s in enumerate(plan.stages)],
     }
-    return report
 
 
 def format_report(r: dict[str, Any]) -> str:
@@ -157,10 +272,10 @@ def format_report(r: dict[str, Any]) -> str:
         return f"{m / p:8.2f}" if p > 0 else "       -"
 
     lines = [f"{'':14}{'predicted s':>14}{'measured s':>14}{'ratio':>8}",
-             f"{'step':14}{r['predicted_step_s']:14.5f}{r['measured_step_s']:14.5f}"
+             f"{'step':14}{r['predicted_step_s']:14.6g}{r['measured_step_s']:14.6g}"
              f"{ratio(r['measured_step_s'], r['predicted_step_s'])}"]
     for s in r["stages"]:
-        lines.append(f"{'stage ' + str(s['index']):14}{s['predicted_s']:14.5f}{s['measured_s']:14.5f}"
+        lines.append(f"{'stage ' + str(s['index']):14}{s['predicted_s']:14.6g}{s['measured_s']:14.6g}"
                      f"{ratio(s['measured_s'], s['predicted_s'])}")
     return "\n".join(lines)
 
