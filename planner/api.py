@@ -30,7 +30,7 @@ from planner.search import SearchResult, search
 from profiles.builtin import resolve_profile, with_nodes
 from profiles.schema import ClusterProfile
 
-__all__ = ["AutoParallel", "plan", "auto_parallel", "resolve_cluster", "in_distributed_launch"]
+__all__ = ["AutoParallel", "plan", "auto_parallel", "resolve_cluster", "in_distributed_launch", "batch_one"]
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +112,28 @@ def resolve_cluster(cluster: str | Path | ClusterProfile | None, nodes: int | No
     return with_nodes(prof, nodes) if nodes else prof
 
 
+def batch_one(example_inputs: Sequence[Any]) -> tuple[Any, ...]:
+    """The example inputs cut to batch 1 along their leading (batch) dimension.
+
+    The planner traces every model at batch 1 and scales activations by the micro-batch size, so that a candidate
+    micro-batch smaller than the example batch never sees a batch dimension it cannot split.  Inputs are cut only
+    when every tensor input has the same leading size (batch-first); otherwise they are used as given."""
+    items = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    leads = {int(x.shape[0]) for x in items if isinstance(x, torch.Tensor) and x.dim() > 0}
+    leads |= {int(x.shape[0]) for x in items if isinstance(x, ir.TensorSpec) and x.shape}
+    if len(leads) != 1 or leads == {1}:
+        return items
+    out: list[Any] = []
+    for x in items:
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            out.append(x[:1])
+        elif isinstance(x, ir.TensorSpec) and x.shape:
+            out.append(ir.TensorSpec((1, *x.shape[1:]), x.dtype))
+        else:
+            out.append(x)
+    return tuple(out)
+
+
 @dataclass
 class AutoParallel:
     """Stepwise trace -> plan -> apply (see the module docstring)."""
@@ -136,8 +158,10 @@ class AutoParallel:
         return self._profile
 
     def trace(self) -> Graph:
+        """The model traced at batch 1 (see :func:`batch_one`), whatever batch the example inputs have."""
         if self._graph is None:
-            self._graph = ir.verify(ir.trace(self.model, self.example_inputs, frontend=self.frontend,  # type: ignore
+            self._graph = ir.verify(ir.trace(self.model, batch_one(self.example_inputs),  # type: ignore[arg-type]
+                                             frontend=self.frontend,  # type: ignore[arg-type]
                                              model_name=self.model_name or type(self.model).__name__))
         return self._graph
 
