@@ -97,14 +97,9 @@ def _persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]
 def named_state(source: Source) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, torch.Tensor]]]:
     """This rank's (model FQN, parameter) and (model FQN, persistent buffer) pairs, each tensor once."""
     if hasattr(source, "stages") and hasattr(source, "named_parameters") and not isinstance(source, nn.Module):
-        params = list(source.named_parameters())
-        canon = getattr(source, "_canon", {})
-        bufs: dict[str, torch.Tensor] = {}
-        for s in source.stages:
-            for n, b in _persistent_buffers(s):
-                fqn = _strip_stage(n)
-                bufs.setdefault(canon.get(fqn, fqn), b)
-        return params, list(bufs.items())
+        # the program knows which buffers the original model persists (fx stage modules mark every copy
+        # persistent, so reading the stage modules would save e.g. RoPE tables)
+        return list(source.named_parameters()), list(source.named_buffers(persistent_only=True))
     if isinstance(source, nn.Module):
         return list(source.named_parameters()), list(_persistent_buffers(source))
     params_l: list[tuple[str, nn.Parameter]] = []
