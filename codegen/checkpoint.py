@@ -81,12 +81,6 @@ class CheckpointOptions:
 # What is saved: (fqn, tensor) pairs in model naming, and chunk-interleaved layouts
 
 
-def _strip_stage(name: str) -> str:
-    """``groups.3.blocks.1.w`` (a StageModule's name) -> ``blocks.1.w`` (the model's)."""
-    parts = name.split(".")
-    return ".".join(parts[2:]) if len(parts) > 2 and parts[0] == "groups" and parts[1].isdigit() else name
-
-
 def _persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     for mname, m in module.named_modules():
         for k, b in m._buffers.items():
