@@ -68,6 +68,7 @@ class ParallelProgram:
         self.loss_fn = loss_fn
         self.device = device
         self.coords = plan.mesh.coords(dist.get_rank())
+        self._param_dtype = next((p.dtype for s in stages for p in s.parameters()), torch.float32)
         self._chunks = chunks  # read by codegen.checkpoint (older versions); same dict as .chunks
         self._aliases = aliases
         self._canon = {a: c for c, names in aliases.items() for a in names}
@@ -143,10 +144,18 @@ class ParallelProgram:
         tgt = self._dp_slice(targets)
         # Plain tensors created inside the model (torch.arange positions...) meet DTensors in forward *and* backward.
         ctx = implicit_replication() if self.plan.mesh.tp > 1 else contextlib.nullcontext()
-        with ctx:
+        with ctx, self._autocast():
             loss = self._run_pipeline(ins, tgt) if self.schedule is not None else self._run_local(ins, tgt)
         self._sync_grads()
         return self._reduce_loss(loss)
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """Mixed precision for ``plan.dtype == "bfloat16"``: compute in bf16 under autocast while parameters,
+        gradients and optimizer state stay in the model's fp32 (the plan's 16 bytes/param memory model).  float16
+        would need loss scaling, which the program does not do: such plans compute in the model's dtype."""
+        if self.plan.dtype != "bfloat16" or self._param_dtype != torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
     @torch.no_grad()
     def gathered_state_dict(self) -> dict[str, torch.Tensor]:

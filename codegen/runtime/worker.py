@@ -157,7 +157,8 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         raise ValueError(f"model {args.model} has no target maker; the worker needs a zoo-style ModelSpec")
     graph = _plan_graph(plan, args.model, args.seq)
     param_dtype = str(next(iter(spec.model.parameters())).dtype).removeprefix("torch.")
-    if plan.dtype != param_dtype and dist.get_rank() == 0:  # the runtime has no mixed precision (yet)
+    mixed = plan.dtype == "bfloat16" and param_dtype == "float32"  # autocast, fp32 master state (ParallelProgram)
+    if plan.dtype != param_dtype and not mixed and dist.get_rank() == 0:
         log.warning("the plan was made for %s but the program trains in the model's %s: predicted times assume "
                     "%s (plan with --dtype %s to compare like with like)", plan.dtype, param_dtype, plan.dtype,
                     param_dtype)
