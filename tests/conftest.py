@@ -30,3 +30,18 @@ def isolated_kernel_cache(tmp_path_factory: pytest.TempPathFactory):  # noqa: AN
         del os.environ[kcache.ENV_CACHE]
     else:
         os.environ[kcache.ENV_CACHE] = old
+
+
+@pytest.fixture
+def fake_world():  # noqa: ANN201 - a generator fixture
+    """``fake_world(n)`` starts a one-process fake process group of world size ``n`` (torch's FakeStore), so a
+    64-rank mesh can be built and its collectives counted without spawning; torn down after the test."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def init(world: int) -> None:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+
+    yield init
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -5,25 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor.debug import CommDebugMode
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import ir
 from codegen.runtime.program import build_program
 from codegen.runtime.tensor_parallel import expand_op_shardings
 from codegen.runtime.testing import make_plan
 from examples.zoo import build
-
-
-@pytest.fixture
-def fake_world():
-    def init(world: int) -> None:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-
-    yield init
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _predicted(plan: ir.Plan, graph: ir.Graph, block: ir.LayerGroup) -> dict[str, int]:

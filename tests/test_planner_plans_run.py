@@ -208,19 +208,6 @@ def test_planner_plans_parity_four_ranks(four_rank_results: dict[str, dict], pla
     _check(four_rank_results, plans, 4)
 
 
-@pytest.fixture
-def fake_world():
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    def init(world: int) -> None:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-
-    yield init
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def test_program_exposes_chunks_and_buffers(fake_world, plans: dict[str, Plans], graphs: dict[str, ir.Graph]) -> None:
     """``ParallelProgram.chunks`` names the interleaved (fused qkv) parameters; ``named_buffers`` uses model FQNs."""
     from codegen.runtime.program import build_program
