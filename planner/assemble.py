@@ -17,7 +17,8 @@ from typing import Sequence
 
 from ir.graph import Graph
 from ir.plan import MemoryBreakdown, MeshPlan, OpSharding, ParamSharding, Plan, SolverReport, StagePlan, TimeBreakdown
-from planner.costing import ADAM_STEP_BYTES, group_placements, LayerTable, Screened, dp_sync_time, in_flight, reserve_for
+from planner.costing import (ADAM_STEP_BYTES, LayerTable, Screened, dp_sync_time, group_placements, in_flight,
+                             reserve_for, zero3_gather_exposed)
 from planner.memory import memory_breakdown, model_state_bytes
 from planner.options import PlanOptions
 from planner.schedule import ScheduleResult, simulate
@@ -106,23 +107,27 @@ def evaluate_stages(table: LayerTable, s: Screened, cost: CostModel, options: Pl
         tp_comm[k % pp] += sum(sol.fwd_comm_s + sol.bwd_comm_s for sol in table.solutions[a:b])
     p2p = [cost.p2p_time(table.out_bytes[b - 1], intra_node=p2p_intra) for _, b in chunks[:-1]]
     item = _ITEMSIZE.get(options.dtype, 4)
-    sync, opt = [], 0.0
+    sync, gathers, opt = [], [], 0.0
     for r in range(pp):
-        params = _rank_params(table, list(chunks[r::pp]), n)
-        t = dp_sync_time(cost, params * item, c.dp, c.tp, c.zero)
-        if c.zero == 3 and c.dp > 1:
-            span = cost.span(c.dp, c.tp)
-            t += 2 * c.num_microbatches * cost.collective_time("all_gather", params * item, span=span)
-        sync.append(t)
+        mine = list(chunks[r::pp])
+        params = _rank_params(table, mine, n)
+        sync.append(dp_sync_time(cost, params * item, c.dp, c.tp, c.zero))
+        rank_time = sum(fwd[k] + bwd[k] for k in range(r, len(chunks), pp))
+        gathers.append(zero3_gather_exposed(cost, params * item, c.dp, c.tp, c.num_microbatches, rank_time)
+                       if c.zero == 3 else 0.0)
         opt = max(opt, params * ADAM_STEP_BYTES / (c.dp if c.zero >= 1 else 1)
                   / cost.profile.device.memory_bandwidth)
     overlap = options.overlap_grad_sync
     sim = simulate(fwd, bwd, pp=pp, num_microbatches=c.num_microbatches, schedule=c.schedule,  # type: ignore[arg-type]
                    virtual_stages=c.virtual_stages, p2p=p2p if p2p else 0.0, dp_sync=sync if overlap else 0.0,
                    optimizer_s=opt)
-    if not overlap:  # the sync runs after each rank's last backward: the slowest rank's end moves by its sync
-        ends = tuple(e + s for e, s in zip(sim.rank_end_s, sync))
-        sim = replace(sim, rank_end_s=ends, exposed_sync_s=tuple(sync), iteration_s=max(ends) + opt)
+    # added after the simulated pipeline: ZeRO-3 gathers not hidden under compute, and the whole gradient sync when
+    # it does not overlap the last backward
+    extra = [g + (0.0 if overlap else s) for g, s in zip(gathers, sync)]
+    if any(extra):
+        ends = tuple(e + x for e, x in zip(sim.rank_end_s, extra))
+        exposed = tuple(e + x for e, x in zip(sim.exposed_sync_s, extra))
+        sim = replace(sim, rank_end_s=ends, exposed_sync_s=exposed, iteration_s=max(ends) + opt)
     return sim, rcs, mems, [x * c.num_microbatches for x in tp_comm]
 
 

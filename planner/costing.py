@@ -29,7 +29,7 @@ from planner.memory import GiB, MemoryReserve, in_flight_microbatches, memory_br
 from profiles.cost import CostModel
 
 __all__ = ["LayerTable", "Candidate", "Screened", "layer_table", "minmax_partition", "screen", "ADAM_STEP_BYTES",
-           "group_placements", "in_flight", "reserve_for", "dp_sync_time", "rank_chunks", "divisors"]
+           "group_placements", "in_flight", "reserve_for", "dp_sync_time", "zero3_gather_exposed", "rank_chunks", "divisors"]
 
 ADAM_STEP_BYTES = 28.0
 """Bytes an Adam step moves per parameter: fp32 master, m and v read+written (24) + gradient read + param write."""
@@ -202,6 +202,15 @@ def dp_sync_time(cost: CostModel, grad_bytes: float, dp: int, tp: int, zero: int
         cost.collective_time("all_gather", grad_bytes, span=span)
 
 
+def zero3_gather_exposed(cost: CostModel, param_bytes: float, dp: int, tp: int, m: int, rank_time: float) -> float:
+    """ZeRO-3 re-gathers a rank's parameters for the forward and again for the backward of every micro-batch,
+    prefetched under that micro-batch's compute: ``m * max(0, 2 * all_gather - compute per micro-batch)``."""
+    if dp == 1:
+        return 0.0
+    per_mb = 2 * cost.collective_time("all_gather", param_bytes, span=cost.span(dp, tp))
+    return max(0.0, per_mb - rank_time) * m
+
+
 def rank_chunks(chunks: list[tuple[int, int]], pp: int, rank: int) -> list[tuple[int, int]]:
     return chunks[rank::pp]
 
@@ -242,10 +251,8 @@ def screen(cand: Candidate, table: LayerTable, cost: CostModel, *, dtype: str, c
         sync = dp_sync_time(cost, params * item, cand.dp, cand.tp, cand.zero)
         bwd_last = sum(sum(table.bwd[a:b]) for a, b in mine)
         exposed = max(0.0, sync - bwd_last) if overlap_grad_sync else sync
-        if cand.zero == 3 and cand.dp > 1:
-            span = cost.span(cand.dp, cand.tp)
-            per_mb = 2 * cost.collective_time("all_gather", params * item, span=span)
-            exposed += max(0.0, per_mb - t) * m
+        if cand.zero == 3:
+            exposed += zero3_gather_exposed(cost, params * item, cand.dp, cand.tp, m, t)
         opt = params * ADAM_STEP_BYTES / (cand.dp if cand.zero >= 1 else 1) / cost.profile.device.memory_bandwidth
         worst_end = max(worst_end, exposed + opt)
     busiest = max(per_rank)
