@@ -295,7 +295,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 with open(args.report, "w") as f:
                     json.dump(report, f, indent=1)
     finally:
-        dist.destroy_process_group()
+        try:  # every rank finishes before any tears down (gloo aborts a peer whose connections close early)
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
     return 0
 
 
