@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Sequence
 
-from ir.graph import Graph
+from ir.graph import DTYPE_BYTES, Graph
 from ir.plan import MemoryBreakdown, MeshPlan, OpSharding, ParamSharding, Plan, SolverReport, StagePlan, TimeBreakdown
 from planner.costing import (ADAM_STEP_BYTES, LayerTable, Screened, dp_sync_time, group_placements, in_flight,
                              reserve_for, zero3_gather_exposed)
@@ -29,7 +29,6 @@ from profiles.schema import ClusterProfile
 __all__ = ["build_plan", "param_patterns", "evaluate_stages"]
 
 _RC_ORDER = ("none", "selective", "full")
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def param_patterns(graph: Graph, table: LayerTable) -> tuple[ParamSharding, ...]:
@@ -106,7 +105,7 @@ def evaluate_stages(table: LayerTable, s: Screened, cost: CostModel, options: Pl
         bwd.append(sum(table.bwd[a:b]) + sum(table.recompute_fwd[rc][a:b]))
         tp_comm[k % pp] += sum(sol.fwd_comm_s + sol.bwd_comm_s for sol in table.solutions[a:b])
     p2p = [cost.p2p_time(table.out_bytes[b - 1], intra_node=p2p_intra) for _, b in chunks[:-1]]
-    item = _ITEMSIZE.get(options.dtype, 4)
+    item = DTYPE_BYTES.get(options.dtype, 4)
     sync, gathers, opt = [], [], 0.0
     for r in range(pp):
         mine = list(chunks[r::pp])

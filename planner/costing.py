@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ir.graph import Graph, LayerGroup
+from ir.graph import DTYPE_BYTES, Graph, LayerGroup
 from planner.intra_op import GroupSolution
 from planner.memory import GiB, MemoryReserve, in_flight_microbatches, memory_breakdown
 from profiles.cost import CostModel
@@ -33,7 +33,6 @@ __all__ = ["LayerTable", "Candidate", "Screened", "layer_table", "minmax_partiti
 
 ADAM_STEP_BYTES = 28.0
 """Bytes an Adam step moves per parameter: fp32 master, m and v read+written (24) + gradient read + param write."""
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,7 +224,7 @@ def screen(cand: Candidate, table: LayerTable, cost: CostModel, *, dtype: str, c
     if chunks is None:
         return None
     act = table.act[cand.recompute]
-    item = _ITEMSIZE.get(dtype, 4)
+    item = DTYPE_BYTES.get(dtype, 4)
     mixed = dtype != "float32"
     p2p = max((cost.p2p_time(table.out_bytes[b - 1], intra_node=p2p_intra) for _, b in chunks[:-1]), default=0.0)
     n = len(times)
