@@ -136,12 +136,8 @@ class _Coster:
                        for m in (input_meta(self.graph, node, i) for i in range(len(node.inputs))))
         if not has_grad or node.kind == "creation":
             return fwd, 0.0
-        if kind in ("matmul", "attention", "conv"):  # compute-bound: traffic as the FLOPs (both gradients)
-            bratio = min(2.0, max(1.0, node.flops_bwd / node.flops_fwd)) if node.flops_fwd > 0 else 1.0
-            bwd_bytes = nb * bratio
-        else:  # backward reads the output gradient, writes the input gradients, and re-reads what was saved
-            bwd_bytes = nb + sum(self.saved_bytes(st, None) for st in saved_tensors(self.graph, node))
-        bwd = self.cost.op_time(node.flops_bwd * self.scale * f, bwd_bytes * f, self.dtype, kind)
+        bratio = min(2.0, max(1.0, node.flops_bwd / node.flops_fwd)) if node.flops_fwd > 0 else 1.0
+        bwd = self.cost.op_time(node.flops_bwd * self.scale * f, nb * f * bratio, self.dtype, kind)
         return fwd, bwd
 
     def grad_allreduce(self, strat: Strategy) -> float:
