@@ -172,6 +172,15 @@ class Graph:
 
     # ---- summaries ---------------------------------------------------------------------------------------------
     @property
+    def batch(self) -> int:
+        """The batch size the graph was traced with (leading dim of its first input; 1 without inputs)."""
+        for name in self.inputs:
+            shape = self.node(name).out.shape
+            if shape:
+                return int(shape[0])
+        return 1
+
+    @property
     def num_params(self) -> int:
         """Number of trainable parameter elements (buffers excluded, tied weights counted once)."""
         return sum(p.meta.numel for p in self.params if p.kind == "param")

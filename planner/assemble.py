@@ -170,8 +170,7 @@ def build_plan(graph: Graph, profile: ClusterProfile, options: PlanOptions, s: S
                                 bwd_s=sum(table.bwd[a:b]) + sum(table.recompute_fwd[rc][a:b]),
                                 memory=mems[k % c.pp]))
     total = tb.total
-    from planner.search import graph_batch  # local: search imports this module
-    per_sample = graph.flops() / graph_batch(graph)
+    per_sample = graph.flops() / graph.batch
     world = profile.nodes * dpn
     tflops = per_sample * options.global_batch / total / world / 1e12
     peak = profile.device.peak_flops.get(options.dtype) or max(profile.device.peak_flops.values())

@@ -29,7 +29,7 @@ def _trace(name: str, seq: int | None = None, frontend: str = "auto") -> Any:
 def _cmd_trace(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from planner.report import _render
+    from planner.report import render_tables
 
     graph = _trace(args.model, args.seq, args.frontend)
     s = graph.summary()
@@ -41,14 +41,22 @@ def _cmd_trace(args: argparse.Namespace) -> int:
     t.add_row("op kinds", ", ".join(f"{k}={v}" for k, v in s["op_kinds"].items()))
     t.add_row("unknown ops", ", ".join(s["unknown_ops"]) or "none")
     t.add_row("fingerprint", s["fingerprint"])
-    print(_render(t), end="")
+    print(render_tables(t), end="")
+    return 0
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    from examples.zoo import list_models
+
+    print("\n".join(list_models()))
     return 0
 
 
 def _progress_printer() -> Any:
+    from rich.console import Console
     from rich.progress import Progress
 
-    prog = Progress(transient=True, console=__import__("rich.console").console.Console(stderr=True))
+    prog = Progress(transient=True, console=Console(stderr=True))
     task = prog.add_task("planning", total=1.0)
     prog.start()
 
@@ -194,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=_cmd_trace)
 
     m = sub.add_parser("models", help="list the built-in models")
-    m.set_defaults(func=lambda a: (print("\n".join(__import__("examples.zoo").zoo.list_models())), 0)[1])
+    m.set_defaults(func=_cmd_models)
 
     pl = sub.add_parser("plan", help="search the best hybrid-parallel plan")
     pl.add_argument("model", help="built-in model name or 'package.module:factory'")

@@ -14,7 +14,7 @@ from ir.graph import Graph
 from ir.plan import Plan
 from ir.serialize import to_data
 
-__all__ = ["render_plan", "explain_node", "diff_plans", "schedule_trace", "fmt_bytes", "fmt_time"]
+__all__ = ["render_tables", "render_plan", "explain_node", "diff_plans", "schedule_trace", "fmt_bytes", "fmt_time"]
 
 
 def fmt_bytes(b: float) -> str:
@@ -32,7 +32,7 @@ def fmt_time(s: float) -> str:
     return f"{s * 1e6:.1f} us"
 
 
-def _render(*tables: Any, width: int = 120) -> str:
+def render_tables(*tables: Any, width: int = 120) -> str:
     buf = io.StringIO()
     con = Console(file=buf, width=width, force_terminal=False, color_system=None)
     for t in tables:
@@ -118,7 +118,7 @@ def render_plan(plan: Plan, *, graph: Graph | None = None, width: int = 120) -> 
         for o in comm_ops:
             ct.add_row(o.node, o.op, o.strategy, " ".join(o.inputs), o.output, o.comm, fmt_time(o.comm_s))
         tables.append(ct)
-    return _render(*tables, width=width)
+    return render_tables(*tables, width=width)
 
 
 def explain_node(plan: Plan, node: str, *, graph: Graph | None = None) -> str:
@@ -142,7 +142,6 @@ def explain_node(plan: Plan, node: str, *, graph: Graph | None = None) -> str:
 def _alternatives(plan: Plan, graph: Graph, node: str) -> list[str]:
     """Each strategy the solver could have given ``node``, costed on the plan's cluster, tp group and micro-batch."""
     from planner.intra_op import strategy_costs
-    from planner.search import graph_batch
     from profiles.builtin import resolve_profile
     from profiles.cost import CostModel
 
@@ -155,7 +154,7 @@ def _alternatives(plan: Plan, graph: Graph, node: str) -> list[str]:
     tp = plan.mesh.tp
     chosen = next((o.strategy for o in plan.op_shardings if o.node == node), "")
     rows = strategy_costs(graph, graph.node(node), tp=tp, cost=cost, tp_span=cost.span(tp, 1), dtype=plan.dtype,
-                          micro_batch_scale=plan.micro_batch / graph_batch(graph))
+                          micro_batch_scale=plan.micro_batch / graph.batch)
     rows.sort(key=lambda r: r[1] + r[2] + r[3])
     out = []
     for st, f, b, ar in rows:
@@ -194,7 +193,7 @@ def diff_plans(a: Plan, b: Plan) -> str:
     speed = a.time.total / b.time.total if b.time.total else float("nan")
     summary = (f"A: {fmt_time(a.time.total)}/iteration, B: {fmt_time(b.time.total)}/iteration "
                f"(B is {speed:.2f}x the speed of A)")
-    return _render(t) + summary + "\n" if rows else "the plans are identical\n"
+    return render_tables(t) + summary + "\n" if rows else "the plans are identical\n"
 
 
 def _short(x: Any) -> str:

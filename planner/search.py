@@ -28,7 +28,7 @@ from profiles.builtin import with_nodes
 from profiles.cost import CostModel
 from profiles.schema import ClusterProfile
 
-__all__ = ["SearchResult", "PlanInfeasibleError", "search", "graph_batch"]
+__all__ = ["SearchResult", "PlanInfeasibleError", "search"]
 
 log = logging.getLogger(__name__)
 Progress = Callable[[str, float], None]
@@ -48,15 +48,6 @@ class SearchResult:
     alternatives: tuple[Plan, ...]
     screened: int
     wall_s: float
-
-
-def graph_batch(graph: Graph) -> int:
-    """The batch size the graph was traced with (leading dim of its first input)."""
-    for name in graph.inputs:
-        shape = graph.node(name).out.shape
-        if shape:
-            return int(shape[0])
-    return 1
 
 
 def _pin(options: PlanOptions, key: str) -> int | str | None:
@@ -132,7 +123,7 @@ class _Tables:
         # fused groups move their bytes once (codegen.fusion); the runtime fuses only stages without tp, so only
         # the tp = 1 tables see the fused graph
         self.fused = apply_fused_bytes(graph) if options.fused_kernels else graph
-        self.trace_batch = graph_batch(graph)
+        self.trace_batch = graph.batch
         self._cache: dict[tuple[int, int, bool], LayerTable] = {}
         self.opts = IntraOpOptions(time_limit_s=options.intra_op_time_limit_s, workers=options.workers,
                                    seed=options.seed)
