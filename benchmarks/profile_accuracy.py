@@ -23,7 +23,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from profiles import CostModel, load_profile  # noqa: E402
-from profiles.profiler import _free_port, run_profile_command, time_collective  # noqa: E402
+from profiles.profiler import free_port, run_profile_command, time_collective  # noqa: E402
 
 KIB = 1024
 UNSEEN_SIZES = (3 * KIB, 48 * KIB, 768 * KIB, 6 * KIB * KIB, 24 * KIB * KIB)  # fit used powers of 4 from 1 KiB
@@ -78,7 +78,7 @@ def main() -> int:
         prof = load_profile(path)
         threads = max(1, (os.cpu_count() or 1) // args.ranks)
         res = Path(tmp) / "rows.txt"
-        mp.spawn(_worker, args=(args.ranks, _free_port(), threads, str(res)), nprocs=args.ranks, join=True)
+        mp.spawn(_worker, args=(args.ranks, free_port(), threads, str(res)), nprocs=args.ranks, join=True)
         rows = eval(res.read_text())  # noqa: S307 - our own repr of tuples of str/int/float
     cm = CostModel(prof)
     print(f"\n{'case':<12} {'dtype':<9} {'size/shape':<20} {'predicted':>12} {'measured':>12} {'ratio':>7}")

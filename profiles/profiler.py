@@ -50,6 +50,7 @@ from profiles.schema import SCHEMA_VERSION, ClusterProfile, profile_from_dict, s
 __all__ = [
     "ProfileOptions",
     "default_message_sizes",
+    "free_port",
     "measure_profile",
     "run_profile_command",
     "time_collective",
@@ -98,7 +99,8 @@ def default_message_sizes(quick: bool) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on localhost right now, for a local process group's rendezvous."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -391,7 +393,7 @@ def _measure(opts: ProfileOptions) -> tuple[ClusterProfile, dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="autopar-profile-") as tmp:
         result = os.path.join(tmp, "result.json")
         log.info("profiling with %d %s rank(s)%s", opts.ranks, backend, " (quick)" if opts.quick else "")
-        mp.spawn(_worker, args=(opts, _free_port(), backend, result), nprocs=opts.ranks, join=True)
+        mp.spawn(_worker, args=(opts, free_port(), backend, result), nprocs=opts.ranks, join=True)
         data = json.loads(Path(result).read_text())
     links: dict[str, Any] = {}
     if data["links"] is not None:

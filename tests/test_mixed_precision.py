@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
 
 import ir
 from codegen.runtime.program import build_program

@@ -273,7 +273,6 @@ def rewrite_group(gm: fx.GraphModule, graph: ir.Graph, plan: ir.Plan, mesh: Devi
     (fused projections)."""
     placement_of = placement_of or plan.placement_of
     chunks: dict[str, int] = {}
-    tp = mesh.size() if mesh is not None else 1
     current = {n.name: n for n in gm.graph.nodes}
     erased: set[str] = set()
     for n in list(gm.graph.nodes):

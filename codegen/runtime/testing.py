@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import socket
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +19,7 @@ import torch.multiprocessing as mp
 from torch.distributed.tensor.debug import CommDebugMode
 
 import ir
+from profiles.profiler import free_port
 
 __all__ = ["COLWISE", "ROWWISE", "make_plan", "megatron_shardings", "spawn", "free_port", "parity_worker",
            "reference_step", "collective_counts"]
@@ -90,12 +90,6 @@ def make_plan(graph: ir.Graph, *, pp: int = 1, dp: int = 1, tp: int = 1, zero: i
                    num_microbatches=num_microbatches, mesh=ir.MeshPlan(pp=pp, dp=dp, tp=tp),
                    schedule=schedule, virtual_stages=virtual_stages, zero=zero,  # type: ignore[arg-type]
                    stages=stages, param_shardings=pshard, op_shardings=oshard)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], out_dir: str) -> None:
