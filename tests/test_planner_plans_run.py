@@ -85,6 +85,27 @@ def _mixed_recompute(graph: ir.Graph, profile: ClusterProfile, **pins: int | str
                  **pins)
 
 
+def _kv_gathered(graph: ir.Graph, plan: ir.Plan) -> ir.Plan:
+    """``plan`` with Llama's key/value projections sharded contiguously (``S(0)``, which splits a head when tp does
+    not divide the kv heads) and their outputs all-gathered before the head view: a layout the planner picks when
+    the gather is cheap. Plans without such projections (GPT's fused qkv) come back unchanged."""
+    kv = {ps.pattern for ps in plan.param_shardings if re.search(r"attn\.w[kv]\.weight$", ps.pattern)}
+    if not kv:
+        return plan
+    lin = {n.name for n in graph.nodes if n.op == "linear"
+           and any(ps.matches(p) for ps in plan.param_shardings if ps.pattern in kv for p in n.params)}
+    ops = []
+    for o in plan.op_shardings:
+        n = graph.node(o.node)
+        if o.node in lin:
+            o = dataclasses.replace(o, strategy="column", inputs=("R",), output=f"S({len(n.out.shape) - 1})")
+        elif n.kind == "view" and set(n.activation_inputs) & lin:
+            o = dataclasses.replace(o, strategy="replicate", inputs=("R",), output="R", comm="fwd:all_gather")
+        ops.append(o)
+    params = tuple(dataclasses.replace(ps, placement="S(0)") if ps.pattern in kv else ps for ps in plan.param_shardings)
+    return dataclasses.replace(plan, param_shardings=params, op_shardings=tuple(ops))
+
+
 PLANNERS: dict[str, tuple[int, Callable[[ir.Graph], ir.Plan]]] = {
     # name: (world size, graph -> plan)
     "tp2-seqpar-selective": (2, lambda g: _plan(g, _seq_parallel(2), tp=2, recompute="selective")),
@@ -99,6 +120,7 @@ PLANNERS: dict[str, tuple[int, Callable[[ir.Graph], ir.Plan]]] = {
                                                       schedule="interleaved_1f1b")),
     "dp2-tp2-seqpar-zero3": (4, lambda g: _plan(g, _seq_parallel(4), dp=2, tp=2, zero=3)),
     "tp4": (4, lambda g: _plan(g, _profile(4), tp=4)),
+    "tp4-kv-gathered": (4, lambda g: _kv_gathered(g, _plan(g, _profile(4), tp=4))),
 }
 
 
@@ -145,6 +167,8 @@ FEATURES: dict[str, Callable[[ir.Plan, ir.Graph], bool]] = {
     "pp2-tp2-seqpar-interleaved": lambda p, g: _sp(p, g) and p.schedule == "interleaved_1f1b",
     "dp2-tp2-seqpar-zero3": lambda p, g: _sp(p, g) and p.mesh.dp == 2 and p.zero == 3,
     "tp4": lambda p, g: p.mesh.tp == 4 and _interleaved_param(p),
+    "tp4-kv-gathered": lambda p, g: p.mesh.tp == 4 and (g.model_name != "llama-tiny" or (
+        p.placement_of("layers.0.attn.wv.weight") == "S(0)" and _comm(p, "all_gather"))),
 }
 MODEL_FEATURES: dict[str, Callable[[ir.Plan], bool]] = {  # on the sequence-parallel plans
     # GPT: fused qkv in interleaved S(0)[3], vocabulary-parallel embedding (tied with the head)

@@ -242,12 +242,15 @@ def _pinned_inputs(node: ir.Node, op: ir.OpSharding) -> list[tuple[str, str]]:
     return [(n, p) for n, p in pairs if n not in node.params and p != "P"]
 
 
-def _view_chunks(graph: ir.Graph, linear: str, view: str, tp: int, planned: int = 1) -> tuple[int, int]:
+def _view_chunks(graph: ir.Graph, linear: str, view: str, tp: int, planned: int = 1,
+                 gathered: bool = False) -> tuple[int, int]:
     """(chunks, shard_dim of the view output) for a view splitting the last dim of a column-parallel output.
 
     The view output is sharded on its first head count that tp divides (GPT's fused qkv: 3 chunks of heads).  When
-    tp divides no head count (Llama's 2 kv heads on tp=4) it is sharded on head_dim within each head only if the plan
-    asks for that layout, ``S(0)[k]`` with k = the number of heads: every head is then one chunk."""
+    tp divides no head count (Llama's 2 kv heads on tp=4) it is sharded on head_dim within each head if the plan asks
+    for that layout, ``S(0)[k]`` with k = the number of heads (every head is then one chunk).  A plan that keeps the
+    weight contiguous (``S(0)``) and pins the view's input replicated (``gathered``: the planner's all-gather before
+    the view) gets no local view: the output stays a global-semantics DTensor and the pin gathers it."""
     src, dst = graph.node(linear).out.shape, graph.node(view).out.shape
     lead = len(src) - 1
     if len(dst) <= len(src) or tuple(dst[:lead]) != tuple(src[:lead]):
@@ -258,6 +261,8 @@ def _view_chunks(graph: ir.Graph, linear: str, view: str, tp: int, planned: int 
             return math.prod(factors[:j]), lead + j
     if planned > 1 and planned == math.prod(factors[:-1]) and factors[-1] % tp == 0:
         return planned, len(dst) - 1
+    if planned == 1 and gathered:
+        return 1, -1
     raise ValueError(f"tp={tp} divides none of the head counts in {view} {tuple(dst)} (output of {linear}); "
                      "choose a tp that divides the number of (key/value) heads, or a plan that shards head_dim "
                      f"(S(0)[{math.prod(factors[:-1])}] on the weight, as the planner emits)")
@@ -284,7 +289,7 @@ def rewrite_group(gm: fx.GraphModule, graph: ir.Graph, plan: ir.Plan, mesh: Devi
         if mesh is None:
             continue
         if n.op == "call_module" and isinstance(gm.get_submodule(str(n.target)), nn.Linear):
-            chunks.update(_fused_projection(gm, graph, n, placement_of, mesh, erased, current))
+            chunks.update(_fused_projection(gm, graph, n, placement_of, mesh, erased, current, ops))
         op = ops.get(n.name)
         if op is not None and graph.has_node(n.name):
             _pin(gm, n, graph.node(n.name), op, mesh, current)
@@ -294,7 +299,8 @@ def rewrite_group(gm: fx.GraphModule, graph: ir.Graph, plan: ir.Plan, mesh: Devi
 
 
 def _fused_projection(gm: fx.GraphModule, graph: ir.Graph, n: fx.Node, placement_of: Callable[[str], str],
-                      mesh: DeviceMesh, erased: set[str], current: dict[str, fx.Node]) -> dict[str, int]:
+                      mesh: DeviceMesh, erased: set[str], current: dict[str, fx.Node],
+                      ops: dict[str, ir.OpSharding]) -> dict[str, int]:
     """A column-parallel Linear whose output a view splits into (chunks, heads, head_dim): store the weight (and
     bias) chunk-interleaved and view the local shard (:class:`LocalView`).  ``{param: chunks}`` when it applies."""
     tp = mesh.size()
@@ -304,7 +310,9 @@ def _fused_projection(gm: fx.GraphModule, graph: ir.Graph, n: fx.Node, placement
     user = next(iter(n.users)) if len(n.users) == 1 else None
     c, dim = 1, -1
     if user is not None and _is_view(user) and graph.has_node(user.name):
-        c, dim = _view_chunks(graph, n.name, user.name, tp, k)
+        view_op = ops.get(user.name)
+        c, dim = _view_chunks(graph, n.name, user.name, tp, k,
+                              gathered=view_op is not None and view_op.inputs[:1] == ("R",))
     if k != c:
         # The storage layout is the runtime's business: DTensor keeps global semantics, so a contiguous shard is
         # exact too (only the collectives differ from the ones the planner costed).
