@@ -136,8 +136,15 @@ class _Coster:
                        for m in (input_meta(self.graph, node, i) for i in range(len(node.inputs))))
         if not has_grad or node.kind == "creation":
             return fwd, 0.0
-        bratio = min(2.0, max(1.0, node.flops_bwd / node.flops_fwd)) if node.flops_fwd > 0 else 1.0
-        bwd = self.cost.op_time(node.flops_bwd * self.scale * f, nb * f * bratio, self.dtype, kind)
+        if kind in ("matmul", "attention", "conv"):
+            # one kernel per gradient (input and weight), each the forward's size: the efficiency is that of a
+            # forward-sized problem, not of one problem of the summed FLOPs
+            bratio = min(2.0, max(1.0, node.flops_bwd / node.flops_fwd)) if node.flops_fwd > 0 else 1.0
+            one = self.cost.op_time(node.flops_bwd * self.scale * f / bratio, nb * f, self.dtype, kind)
+            return fwd, one * bratio
+        # backward reads the output gradient, writes the input gradients, and re-reads what was saved
+        bwd_bytes = nb + sum(self.saved_bytes(st, None) for st in saved_tensors(self.graph, node))
+        bwd = self.cost.op_time(node.flops_bwd * self.scale * f, bwd_bytes * f, self.dtype, kind)
         return fwd, bwd
 
     def grad_allreduce(self, strat: Strategy) -> float:
@@ -438,7 +445,9 @@ def _activation_report(graph: Graph, group: LayerGroup, co: _Coster, m: _Model, 
         key = n.name + "@in"
         if n.kind in _RECOMPUTE_KINDS and any(k == key for k, _ in saved) and all(
                 storage_key(graph, i) + "@in" in avail for i in n.activation_inputs):
-            saved = {k: b for k, b in saved.items() if k[0] != key}
+            # a recomputed dropout re-draws its mask from the saved RNG state: the mask is not kept either
+            drop = {key, n.name + "@mask"} if n.op == "dropout" else {key}
+            saved = {k: b for k, b in saved.items() if k[0] not in drop}
             extra += m.comp[v][m.strats[v].index(chosen[v])][0]
     selective = sum(saved.values())
     if m.bname is not None:
