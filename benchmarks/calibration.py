@@ -1,10 +1,14 @@
-"""Predicted vs published throughput for Megatron-LM SC'21 Table 1 (GPT on up to 3072 A100s).
+"""The cost model against published Megatron-LM measurements on DGX A100 clusters.
 
-For each row: the published plan costed with the built-in DGX A100 profile (all choices pinned), its predicted
-TFLOP/s per GPU under the paper's own FLOP formula (96*B*s*l*h^2*(1+s/6h+V/16lh), recompute counted), the ratio to the
-published number, and what the planner's own (unpinned) plan predicts.
+1. Fit: one 22B transformer layer (Korthikanti et al. 2022, Table 4), predicted with the profile's isolated-kernel
+   rates vs measured; the sequence-parallel rows give the A100 profile's ``sustained_fraction``.
+2. Held out, SC'21 Table 1 (shared/calibration/): each published plan costed with the built-in DGX A100 profile (all
+   choices pinned), its predicted TFLOP/s per GPU under the paper's FLOP formula (96*B*s*l*h^2*(1+s/6h+V/16lh),
+   recompute counted), the ratio to the published number, and what the planner's own (unpinned) plan predicts.
+3. Held out, Korthikanti et al. 2022 Table 5: end-to-end iteration times of 22B-1T models on 8-512 GPUs with full
+   and with selective recompute, predicted vs measured.
 
-    python benchmarks/calibration.py [--no-search]
+    python benchmarks/calibration.py [--no-search] [--skip-sc21] [--skip-table5]
 """
 
 from __future__ import annotations
@@ -17,34 +21,80 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from planner.calibration import calibrate_case, load_cases  # noqa: E402
+from planner.calibration import (  # noqa: E402
+    DEFAULT_CASES, calibrate_case, check_iteration, fit_sustained_fraction, load_cases, load_published,
+)
+from profiles.builtin import load_builtin  # noqa: E402
+
+
+def _desc(p) -> str:  # noqa: ANN001
+    return (f"tp{p.mesh.tp} pp{p.mesh.pp} dp{p.mesh.dp} mb{p.micro_batch} {p.schedule}"
+            f"{'/v' + str(p.virtual_stages) if p.virtual_stages > 1 else ''} z{p.zero} "
+            f"{'/'.join(sorted({s.recompute for s in p.stages}))}")
+
+
+def fit() -> None:
+    frac, rows = fit_sustained_fraction()
+    have = load_builtin("dgx-a100-80gb").device.sustained_fraction
+    print("== fit: one 22B layer (h 6144, tp 8, micro-batch 4), Korthikanti et al. 2022 Table 4, ms ==")
+    print(f"{'row':<24} {'kernels':>8} {'tp comm':>8} {'measured':>9} {'implied fraction':>17}")
+    for r in rows:
+        print(f"{r.row:<24} {r.compute_ms:>8.2f} {r.comm_ms:>8.2f} {r.measured_ms:>9.2f} {r.fraction:>17.3f}")
+    print(f"fit (sequence-parallel rows): sustained_fraction = {frac:.3f}; dgx-a100-80gb.yaml has {have}\n")
+
+
+def sc21(search: bool) -> None:
+    print("== held out: Narayanan et al. SC'21 Table 1 (TFLOP/s per GPU) ==")
+    print(f"{'case':<10} {'GPUs':>5} {'published':>9} {'predicted':>9} {'ratio':>6} {'planner':>8} "
+          f"{'planner plan':<44} {'s':>5}")
+    ratios, wins = [], []
+    for case in load_cases():
+        t0 = time.perf_counter()
+        r = calibrate_case(case, search_free=search)
+        ratios.append(r.ratio)
+        if r.planner_plan is not None:
+            wins.append(r.planner_tflops >= r.predicted_tflops * (1 - 1e-9))
+        print(f"{r.case.removeprefix('megatron_sc21_t1_'):<10} {r.gpus:>5} {r.published_tflops:>9.1f} "
+              f"{r.predicted_tflops:>9.1f} {r.ratio:>6.2f} {r.planner_tflops:>8.1f} "
+              f"{_desc(r.planner_plan) if r.planner_plan else '':<44} {time.perf_counter() - t0:>5.1f}")
+    print(f"predicted/published: median {statistics.median(ratios):.2f}, min {min(ratios):.2f}, max "
+          f"{max(ratios):.2f}; target: every row within 0.80-1.20")
+    if wins:
+        print(f"planner's plan predicts >= the published plan's throughput on {sum(wins)}/{len(wins)} rows")
+    print()
+
+
+def table5(search: bool) -> None:
+    print("== held out: Korthikanti et al. 2022 Table 5 (iteration time, s; ratio = measured/predicted) ==")
+    print(f"{'case':<6} {'recompute':<10} {'GPUs':>5} {'measured':>9} {'predicted':>9} {'ratio':>6} {'planner':>8} "
+          f"{'planner plan':<44} {'s':>5}")
+    ratios = []
+    for case in load_published()["iterations"]:
+        for rc in ("full", "selective"):
+            t0 = time.perf_counter()
+            r = check_iteration(case, rc, search_free=search)
+            ratios.append(r.ratio)
+            print(f"{r.case.removeprefix('korthikanti22_'):<6} {rc:<10} {r.gpus:>5} {r.measured_s:>9.2f} "
+                  f"{r.predicted_s:>9.2f} {r.ratio:>6.2f} {r.planner_s:>8.2f} "
+                  f"{_desc(r.planner_plan) if r.planner_plan else '':<44} {time.perf_counter() - t0:>5.1f}")
+    print(f"predicted/measured throughput: median {statistics.median(ratios):.2f}, min {min(ratios):.2f}, "
+          f"max {max(ratios):.2f}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--no-search", action="store_true", help="only cost the published plans")
+    ap.add_argument("--skip-sc21", action="store_true", help="skip SC'21 Table 1")
+    ap.add_argument("--skip-table5", action="store_true", help="skip Korthikanti et al. Table 5")
     args = ap.parse_args()
-    print(f"{'case':<24} {'GPUs':>5} {'published':>9} {'predicted':>9} {'ratio':>6} {'planner':>8} "
-          f"{'planner plan':<44} {'s':>5}")
-    ratios, wins = [], []
-    for case in load_cases():
-        t0 = time.perf_counter()
-        r = calibrate_case(case, search_free=not args.no_search)
-        ratios.append(r.ratio)
-        desc = ""
-        if r.planner_plan is not None:
-            p = r.planner_plan
-            desc = (f"tp{p.mesh.tp} pp{p.mesh.pp} dp{p.mesh.dp} mb{p.micro_batch} {p.schedule}"
-                    f"{'/v' + str(p.virtual_stages) if p.virtual_stages > 1 else ''} z{p.zero} "
-                    f"{'/'.join(sorted({s.recompute for s in p.stages}))}")
-            wins.append(r.planner_tflops >= r.predicted_tflops * (1 - 1e-9))
-        print(f"{r.case.removeprefix('megatron_sc21_t1_'):<24} {r.gpus:>5} {r.published_tflops:>9.1f} "
-              f"{r.predicted_tflops:>9.1f} {r.ratio:>6.2f} {r.planner_tflops:>8.1f} {desc:<44} "
-              f"{time.perf_counter() - t0:>5.1f}")
-    print(f"median predicted/published: {statistics.median(ratios):.2f} (min {min(ratios):.2f}, max "
-          f"{max(ratios):.2f}); target: every row within 0.80-1.20")
-    if wins:
-        print(f"planner's plan predicts >= the published plan's throughput on {sum(wins)}/{len(wins)} rows")
+    fit()
+    if not args.skip_sc21:
+        if DEFAULT_CASES.exists():
+            sc21(not args.no_search)
+        else:
+            print(f"SC'21 Table 1 skipped: {DEFAULT_CASES} not found (shared/ must sit beside the repo)\n")
+    if not args.skip_table5:
+        table5(not args.no_search)
 
 
 if __name__ == "__main__":

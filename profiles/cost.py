@@ -2,9 +2,11 @@
 
 Pure functions over profile data: no I/O, no global state; every time is non-decreasing in the message or problem size.
 
-**Ops.** ``time = max(flops / rate, bytes / memory_bandwidth) + launch_overhead``. For matmul-like kinds
-(``matmul``, ``attention``, ``conv``) ``rate = peak_flops[dtype] * efficiency(dtype, flops)`` from the device's
-efficiency table; for the other kinds ``rate = vector_flops`` (non-tensor-core peak). ``view`` ops cost 0.
+**Ops.** ``time = max(flops / rate, bytes / memory_bandwidth) / sustained_fraction + launch_overhead``. For
+matmul-like kinds (``matmul``, ``attention``, ``conv``) ``rate = peak_flops[dtype] * efficiency(dtype, flops)`` from
+the device's efficiency table; for the other kinds ``rate = vector_flops`` (non-tensor-core peak). ``view`` ops cost 0.
+``sustained_fraction`` (1.0 unless the profile says otherwise) scales isolated-kernel rates down to what a whole
+training step sustains (see :class:`~profiles.schema.DeviceProfile`).
 
 **Collectives** follow the NCCL-tests bus-bandwidth convention documented in :mod:`profiles.schema`.
 A group is described by a :class:`GroupSpan`: ``d`` devices in each of ``m`` nodes (``g = d * m`` ranks).
@@ -185,7 +187,7 @@ class CostModel:
         return dev.peak_flops.get("float32", dev.peak_flops[dt])
 
     def op_time(self, flops: float, bytes: float, dtype: str, kind: str = "other") -> float:  # noqa: A002
-        """``max(flops / rate, bytes / memory_bandwidth) + launch_overhead``; 0 for views."""
+        """``max(flops / rate, bytes / memory_bandwidth) / sustained_fraction + launch_overhead``; 0 for views."""
         if kind not in OP_KINDS:
             raise ValueError(f"unknown op kind {kind!r}; expected one of {', '.join(OP_KINDS)}")
         if flops < 0 or bytes < 0:
@@ -195,7 +197,7 @@ class CostModel:
         dev = self.profile.device
         compute = flops / self.compute_rate(dtype, kind, flops) if flops > 0 else 0.0
         memory = bytes / dev.memory_bandwidth
-        return max(compute, memory) + dev.launch_overhead_s
+        return max(compute, memory) / dev.sustained_fraction + dev.launch_overhead_s
 
     def matmul_time(
         self,

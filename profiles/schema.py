@@ -107,6 +107,11 @@ class DeviceProfile:
     """Fixed per-kernel (per-op) overhead in seconds."""
     vector_flops: float | None = None
     """Peak FLOP/s for non-matmul (vector) ops; None means peak_flops['float32']."""
+    sustained_fraction: float = 1.0
+    """Fraction of the isolated-kernel rates above (matmul efficiency, vector FLOP/s, memory bandwidth) that kernels
+    sustain inside a whole training step, in (0, 1]: a step runs hundreds of kernels back to back at full power draw,
+    with launch gaps and cache/HBM interference that a single-kernel benchmark loop does not see.  1.0 means the rates
+    were measured in situ (or no in-situ measurement exists)."""
     sources: dict[str, str] = field(default_factory=dict)
     """Field name -> where its number comes from."""
 
@@ -281,7 +286,7 @@ def _efficiency(v: Any, path: str) -> tuple[EfficiencyPoint, ...]:
 def _device(v: Any, path: str) -> DeviceProfile:
     d = _mapping(v, path)
     req = {"name", "memory_bytes", "peak_flops", "matmul_efficiency", "memory_bandwidth", "launch_overhead_s"}
-    _keys(d, path, req, {"vector_flops", "sources"})
+    _keys(d, path, req, {"vector_flops", "sustained_fraction", "sources"})
     pf_path = _join(path, "peak_flops")
     peak = {_dtype(k, f"{pf_path}.{k}"): _num(x, f"{pf_path}.{k}") for k, x in _mapping(d["peak_flops"], pf_path).items()}
     if not peak:
@@ -294,6 +299,10 @@ def _device(v: Any, path: str) -> DeviceProfile:
     if not eff:
         raise _fail(me_path, "expected at least one table ('default' or a dtype)")
     vf = d.get("vector_flops")
+    sf_path = _join(path, "sustained_fraction")
+    sf = _num(d.get("sustained_fraction", 1.0), sf_path)
+    if sf > 1.0:
+        raise _fail(sf_path, f"must be in (0, 1], got {sf}")
     return DeviceProfile(
         name=_str(d["name"], _join(path, "name")),
         memory_bytes=_int(d["memory_bytes"], _join(path, "memory_bytes")),
@@ -302,6 +311,7 @@ def _device(v: Any, path: str) -> DeviceProfile:
         memory_bandwidth=_num(d["memory_bandwidth"], _join(path, "memory_bandwidth")),
         launch_overhead_s=_num(d["launch_overhead_s"], _join(path, "launch_overhead_s"), allow_zero=True),
         vector_flops=None if vf is None else _num(vf, _join(path, "vector_flops")),
+        sustained_fraction=sf,
         sources=_str_map(d.get("sources", {}), _join(path, "sources")),
     )
 
@@ -357,6 +367,8 @@ def profile_to_dict(profile: ClusterProfile) -> dict[str, Any]:
     }
     if dev.vector_flops is not None:
         device["vector_flops"] = dev.vector_flops
+    if dev.sustained_fraction != 1.0:
+        device["sustained_fraction"] = dev.sustained_fraction
     if dev.sources:
         device["sources"] = dict(dev.sources)
     links = {

@@ -140,6 +140,8 @@ def test_negative_alpha_names_field() -> None:
         (lambda d: d["device"]["matmul_efficiency"]["default"][0].__setitem__("efficiency", 1.5),
          "device.matmul_efficiency.default[0].efficiency"),
         (lambda d: d["device"]["matmul_efficiency"]["default"].reverse(), "device.matmul_efficiency.default[1].flops"),
+        (lambda d: d["device"].__setitem__("sustained_fraction", 1.2), "device.sustained_fraction"),
+        (lambda d: d["device"].__setitem__("sustained_fraction", 0), "device.sustained_fraction"),
     ],
 )
 def test_invalid_profile_names_field(mutate, field: str) -> None:
@@ -200,6 +202,11 @@ def test_op_time_forms() -> None:
     assert cm.matmul_time(m=64, n=32, k=16, dtype="float32") == pytest.approx(
         cm.op_time(2 * 64 * 32 * 16, 4 * (64 * 16 + 16 * 32 + 64 * 32), "float32", "matmul")
     )
+    # a sustained fraction stretches kernel time, not the launch overhead
+    slow = synthetic()
+    slow = dataclasses.replace(slow, device=dataclasses.replace(slow.device, sustained_fraction=0.5))
+    assert CostModel(slow).op_time(1.0, 1e9, "float32", "pointwise") == pytest.approx(2e9 / 1e12 + 5e-6)
+    assert CostModel(slow).op_time(1e12, 1.0, "bfloat16", "matmul") == pytest.approx(2e12 / (1e14 * 0.8) + 5e-6)
     with pytest.raises(ValueError, match="float16"):
         cm.op_time(1.0, 1.0, "float16", "matmul")
     with pytest.raises(ValueError, match="op kind"):
