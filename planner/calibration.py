@@ -28,9 +28,12 @@ import torch
 import ir
 from ir.passes import decompose_attention
 from ir.plan import Plan
+from planner.cpsat import IntraOpOptions
+from planner.intra_op import solve_graph
 from planner.options import PlanOptions
 from planner.search import search
 from profiles.builtin import load_builtin
+from profiles.cost import CostModel
 from profiles.schema import ClusterProfile
 
 __all__ = ["CalibrationRow", "IterationRow", "LayerFit", "megatron_flops", "load_cases", "load_published",
@@ -72,8 +75,14 @@ def _graph(model: dict[str, Any], layers: int | None = None) -> ir.Graph:
     return decompose_attention(ir.trace(net, (tokens,), model_name=name), dropout_p=_DROPOUT)
 
 
-def _pinned(graph: ir.Graph, profile: ClusterProfile, *, global_batch: int, dtype: str, pins: dict[str, Any],
-            time_limit_s: float, search_free: bool) -> tuple[Plan, Plan | None]:
+def _pinned(graph: ir.Graph, profile: ClusterProfile, *, tp: int, pp: int, dp: int, micro_batch: int,
+            recompute: str, virtual_stages: int, global_batch: int, dtype: str, time_limit_s: float,
+            search_free: bool) -> tuple[Plan, Plan | None]:
+    """The published configuration costed with every choice pinned (no ZeRO; 1F1B, interleaved when it has virtual
+    stages), and the planner's own plan when ``search_free``."""
+    v = virtual_stages
+    pins = {"tp": tp, "pp": pp, "dp": dp, "micro_batch": micro_batch, "recompute": recompute, "zero": 0,
+            "schedule": "interleaved_1f1b" if v > 1 else "1f1b", "virtual_stages": v}
     # Megatron-LM (2021-22) all-reduced gradients after the backward pass, without overlap
     opts = PlanOptions(global_batch=global_batch, pins=pins, dtype=dtype, top_k=0,  # type: ignore[arg-type]
                        intra_op_time_limit_s=time_limit_s, overlap_grad_sync=False)
@@ -102,15 +111,10 @@ class LayerFit:
 def layer_times(profile: ClusterProfile, *, published: dict[str, Any] | None = None,
                 time_limit_s: float = 5.0) -> dict[str, tuple[float, float]]:
     """(compute s, comm s) of one layer of the published per-layer experiment, per recompute mode."""
-    from planner.intra_op import solve_graph
-    from profiles.cost import CostModel
-
     pub = published or load_published()
     lay = pub["layer"]
     graph = _graph(lay["model"], layers=2)
     cost = CostModel(profile)
-    from planner.cpsat import IntraOpOptions
-
     sols = solve_graph(graph, tp=lay["tp"], cost=cost, tp_span=cost.span(lay["tp"]), dtype="float16",
                        micro_batch_scale=lay["micro_batch"], options=IntraOpOptions(time_limit_s=time_limit_s))
     s = next(s for s, g in zip(sols, graph.layers) if g.role == "block")
@@ -161,13 +165,11 @@ def calibrate_case(case: dict[str, Any], *, search_free: bool = True, time_limit
     m, cl, pl = case["model"], case["cluster"], case["plan"]
     graph = _graph(m)
     profile = load_builtin(_GPU_PROFILE[cl["gpu"]], nodes=cl["gpus"] // cl["gpus_per_node"])
-    v = pl.get("virtual_stages") or 1
-    pins: dict[str, int | str] = {"tp": pl["tp"], "pp": pl["pp"], "dp": pl["dp"], "micro_batch": pl["micro_batch"],
-                                  "recompute": pl["recompute"], "zero": 0,
-                                  "schedule": "interleaved_1f1b" if v > 1 else "1f1b", "virtual_stages": v}
     gb = case["global_batch"]
-    published, free = _pinned(graph, profile, global_batch=gb, dtype=_DTYPE[pl["precision"]], pins=pins,
-                              time_limit_s=time_limit_s, search_free=search_free)
+    published, free = _pinned(graph, profile, tp=pl["tp"], pp=pl["pp"], dp=pl["dp"], micro_batch=pl["micro_batch"],
+                              recompute=pl["recompute"], virtual_stages=pl.get("virtual_stages") or 1,
+                              global_batch=gb, dtype=_DTYPE[pl["precision"]], time_limit_s=time_limit_s,
+                              search_free=search_free)
     flops = megatron_flops(gb, m["seq"], m["layers"], m["hidden"], m["vocab"])
     pred = flops / published.time.total / cl["gpus"] / 1e12
     free_tflops = flops / free.time.total / cl["gpus"] / 1e12 if free is not None else float("nan")
@@ -199,11 +201,9 @@ def check_iteration(case: dict[str, Any], recompute: str, *, search_free: bool =
     gpn = pub["gpus_per_node"]
     graph = _graph(case["model"])
     profile = load_builtin(_GPU_PROFILE[pub["gpu"]], nodes=max(1, case["gpus"] // gpn))
-    v = case["virtual_stages"]
-    pins: dict[str, int | str] = {"tp": case["tp"], "pp": case["pp"], "dp": case["gpus"] // (case["tp"] * case["pp"]),
-                                  "micro_batch": case["micro_batch"], "recompute": recompute, "zero": 0,
-                                  "schedule": "interleaved_1f1b" if v > 1 else "1f1b", "virtual_stages": v}
-    plan, free = _pinned(graph, profile, global_batch=case["global_batch"], dtype="float16", pins=pins,
-                         time_limit_s=time_limit_s, search_free=search_free)
+    plan, free = _pinned(graph, profile, tp=case["tp"], pp=case["pp"], dp=case["gpus"] // (case["tp"] * case["pp"]),
+                         micro_batch=case["micro_batch"], recompute=recompute, virtual_stages=case["virtual_stages"],
+                         global_batch=case["global_batch"], dtype="float16", time_limit_s=time_limit_s,
+                         search_free=search_free)
     return IterationRow(case["id"], recompute, case["gpus"], case["seconds"][recompute], plan.time.total,
                         free.time.total if free is not None else float("nan"), plan, free)

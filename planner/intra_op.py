@@ -74,6 +74,7 @@ class _Coster:
         self.graph, self.cost, self.span, self.t, self.dtype, self.scale = graph, cost, span, t, dtype, scale
         self.item = DTYPE_BYTES.get({"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype, dtype), 2)
         self._coll: dict[tuple[str, float], float] = {}
+        self._saved: dict[str, float] = {}  # node -> bytes its backward re-reads (unsharded)
         pm = graph.param_map
         self.requires_grad: set[str] = set()
         for n in graph.nodes:  # values that depend on a trainable parameter get gradients
@@ -143,7 +144,9 @@ class _Coster:
             one = self.cost.op_time(node.flops_bwd * self.scale * f / bratio, nb * f, self.dtype, kind)
             return fwd, one * bratio
         # backward reads the output gradient, writes the input gradients, and re-reads what was saved
-        bwd_bytes = nb + sum(self.saved_bytes(st, None) for st in saved_tensors(self.graph, node))
+        if node.name not in self._saved:  # the same for every strategy of the node
+            self._saved[node.name] = sum(self.saved_bytes(st, None) for st in saved_tensors(self.graph, node))
+        bwd_bytes = nb + self._saved[node.name]
         bwd = self.cost.op_time(node.flops_bwd * self.scale * f, bwd_bytes * f, self.dtype, kind)
         return fwd, bwd
 
