@@ -3,8 +3,6 @@ eager loss and gradients."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +12,8 @@ import ir
 from codegen.fusion import FusionGroup, fuse_graph_module, fused_bytes_saved, fusion_groups, render_kernels
 from codegen.triton_gen import generate_source
 from examples.zoo import build
+from golden_files import GOLDEN_DIR, check_golden
 
-GOLDEN = Path(__file__).parent / "golden"
 ZOO = ["gpt-tiny", "llama-tiny", "moe-tiny", "wrn-tiny", "mlp-tiny"]
 
 
@@ -99,14 +97,6 @@ def test_restricting_to_a_stage_keeps_values_it_exports(graphs: dict[str, ir.Gra
     assert "add_1" in {o for o, _ in grp.outputs}
 
 
-def _golden(name: str, text: str) -> None:
-    path = GOLDEN / f"{name}.triton"
-    if os.environ.get("AUTOPAR_UPDATE_GOLDEN") == "1":
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    assert path.exists(), f"{path} missing: run with AUTOPAR_UPDATE_GOLDEN=1 to create it"
-    assert text == path.read_text(), "generated source changed; if intended, regenerate with AUTOPAR_UPDATE_GOLDEN=1"
-
 
 @pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
 def test_golden_block_kernels(graphs: dict[str, ir.Graph], name: str) -> None:
@@ -114,7 +104,7 @@ def test_golden_block_kernels(graphs: dict[str, ir.Graph], name: str) -> None:
     nodes = [n.name for n in g.group_nodes(g.blocks()[0])]
     text = render_kernels(g, nodes)
     assert text.count("@triton.jit") >= 3
-    _golden(name.replace("-", "_") + "_block", text)
+    check_golden(GOLDEN_DIR / f"{name.replace('-', '_')}_block.triton", text)
     compile(text, name, "exec")  # valid Python
 
 
