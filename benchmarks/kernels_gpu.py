@@ -46,7 +46,7 @@ def _nbytes(*ts: torch.Tensor) -> int:
 
 
 def build_cases(dtype: torch.dtype) -> list[Case]:
-    from codegen.kernels import (eager_add_norm, eager_bias_act, eager_softmax, eager_swiglu, fused_add_norm,
+    from autopar.codegen.kernels import (eager_add_norm, eager_bias_act, eager_softmax, eager_swiglu, fused_add_norm,
                                  fused_bias_act, fused_dropout, fused_softmax, fused_swiglu)
 
     dev = "cuda"

@@ -22,8 +22,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from profiles import CostModel, load_profile  # noqa: E402
-from profiles.profiler import free_port, run_profile_command, time_collective  # noqa: E402
+from autopar.profiles import CostModel, load_profile  # noqa: E402
+from autopar.profiles.profiler import free_port, run_profile_command, time_collective  # noqa: E402
 
 KIB = 1024
 UNSEEN_SIZES = (3 * KIB, 48 * KIB, 768 * KIB, 6 * KIB * KIB, 24 * KIB * KIB)  # fit used powers of 4 from 1 KiB

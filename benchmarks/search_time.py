@@ -13,11 +13,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import ir  # noqa: E402
-from examples.zoo import build  # noqa: E402
-from planner.options import PlanOptions  # noqa: E402
-from planner.search import search  # noqa: E402
-from profiles.builtin import load_builtin  # noqa: E402
+from autopar import ir  # noqa: E402
+from autopar.zoo import build  # noqa: E402
+from autopar.planner.options import PlanOptions  # noqa: E402
+from autopar.planner.search import search  # noqa: E402
+from autopar.profiles.builtin import load_builtin  # noqa: E402
 
 
 def plan_once(model: str, cluster: str, nodes: int, global_batch: int) -> tuple[float, float, str]:

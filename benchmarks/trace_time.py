@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CHILD = r"""
 import json, resource, sys, time
 sys.path.insert(0, {root!r})
-import ir
-from examples.zoo import build
+from autopar import ir
+from autopar.zoo import build
 t0 = time.perf_counter()
 spec = build({name!r}, batch=1, device="meta")
 t1 = time.perf_counter()

@@ -1,1 +1,1 @@
-"""codegen: doing the plan -- the torch.distributed runtime (:mod:`codegen.runtime`) and fused Triton kernels."""
+"""codegen: doing the plan -- the torch.distributed runtime (:mod:`autopar.codegen.runtime`) and fused Triton kernels."""

@@ -7,7 +7,7 @@ needs and reads only the overlapping pieces, so a checkpoint written under ``dp=
 its FSDP/TP shards); replicated tensors are written once (DCP deduplicates them).
 
 Keys are the original model's fully qualified names whatever the plan: the parameters and persistent buffers of a
-:class:`codegen.runtime.program.ParallelProgram`'s stage modules (``groups.3.blocks.1.attn.qkv.weight``) are
+:class:`autopar.codegen.runtime.program.ParallelProgram`'s stage modules (``groups.3.blocks.1.attn.qkv.weight``) are
 registered, for the duration of a save or load, on a throw-away *view* module under their model FQN
 (``blocks.1.attn.qkv.weight``), and ``torch.distributed.checkpoint.state_dict.get_state_dict / set_state_dict``
 are run on that view.  They map optimizer state to FQNs and, with ``flatten_optimizer_state_dict``, key even the
@@ -15,7 +15,7 @@ param-group hyperparameters by FQN (``param_groups.<fqn>.lr``), so ranks holding
 write conflicting entries.
 
 One layout is not a pure re-cut of the global tensor: a fused projection that the runtime stores chunk-interleaved
-for tensor parallelism (``codegen.runtime.tensor_parallel.permute_chunks``; the stored global tensor depends on
+for tensor parallelism (``autopar.codegen.runtime.tensor_parallel.permute_chunks``; the stored global tensor depends on
 ``tp``).  Those parameters and their optimizer states are saved gathered and un-permuted (model layout) and
 re-permuted for the loading plan's ``tp``.
 
@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from codegen.runtime.tensor_parallel import permute_chunks, unpermute_chunks
+from autopar.codegen.runtime.tensor_parallel import permute_chunks, unpermute_chunks
 
 __all__ = ["CheckpointOptions", "Checkpointer", "save_checkpoint", "load_checkpoint", "latest_checkpoint",
            "step_dir", "named_state"]

@@ -1,6 +1,6 @@
 """Fusion analysis: which chains of memory-bound ops run as one generated kernel.
 
-A pure analysis over :class:`ir.Graph` (one stage's nodes after sharding, or the whole graph): it returns
+A pure analysis over :class:`autopar.ir.Graph` (one stage's nodes after sharding, or the whole graph): it returns
 :class:`FusionGroup` s and never edits the graph.  The same matcher runs on a ``torch.fx.GraphModule``
 (:func:`fuse_graph_module`, which rewrites the module to call the fused kernels).
 
@@ -37,9 +37,9 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
-import ir
-from codegen.triton_gen import KernelSpec, generate_source
-from ir.graph import TensorMeta
+from autopar import ir
+from autopar.codegen.triton_gen import KernelSpec, generate_source
+from autopar.ir.graph import TensorMeta
 
 __all__ = ["FusionGroup", "fusion_groups", "fused_bytes_saved", "apply_fused_bytes", "render_kernels",
            "fuse_graph_module", "Match", "NodeView", "match_patterns"]
@@ -51,7 +51,7 @@ _ACTS = {"gelu", "silu", "relu"}
 
 @dataclass(frozen=True, slots=True)
 class NodeView:
-    """The part of a node the matcher needs; built from an ``ir.Node`` or a ``torch.fx.Node``."""
+    """The part of a node the matcher needs; built from an ``autopar.ir.Node`` or a ``torch.fx.Node``."""
 
     name: str
     op: str
@@ -432,6 +432,6 @@ def render_kernels(graph: ir.Graph, nodes: Iterable[str] | None = None) -> str:
 
 def fuse_graph_module(gm: Any, *, enabled: bool | None = None) -> Any:
     """Rewrite a ``torch.fx.GraphModule`` (from ``torch.fx.symbolic_trace``) to call the fused kernels; see
-    :func:`codegen.kernels.fx_rewrite.fuse_graph_module`."""
-    from codegen.kernels.fx_rewrite import fuse_graph_module as _fuse
+    :func:`autopar.codegen.kernels.fx_rewrite.fuse_graph_module`."""
+    from autopar.codegen.kernels.fx_rewrite import fuse_graph_module as _fuse
     return _fuse(gm, enabled=enabled)

@@ -17,7 +17,7 @@ Kernel shapes (all masked, so any size works -- ragged rows and ``numel`` not a 
 Every load is upcast to fp32 (``.to(tl.float32)``), the math runs in fp32 and stores cast to the output's dtype, so
 fp16/bf16 inputs accumulate in fp32 (and the Triton interpreter, which mishandles bf16 arithmetic, sees only fp32).
 
-Backward strategy per kind (also in :mod:`codegen.kernels`):
+Backward strategy per kind (also in :mod:`autopar.codegen.kernels`):
 
 ================  ===========================================================================================
 kind              backward

@@ -20,9 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from examples.zoo import build  # noqa: E402
-from ir.plan import plan_to_yaml  # noqa: E402
-from planner import auto_parallel  # noqa: E402
+from autopar.zoo import build  # noqa: E402
+from autopar.ir.plan import plan_to_yaml  # noqa: E402
+from autopar.planner import auto_parallel  # noqa: E402
 
 log = logging.getLogger("auto_parallel_torchrun")
 

@@ -1,17 +1,18 @@
 """autopar's graph IR: what the model computes (trace -> Graph), op rules, the Plan type and its YAML form."""
 
-from ir.errors import AutoparError, ExampleInputError, IRVerificationError, SchemaError, TraceError
-from ir.graph import DTYPE_BYTES, Graph, LayerGroup, Node, ParamInfo, TensorMeta
-from ir.layers import group_layers
-from ir.plan import (PLAN_SCHEMA_VERSION, MemoryBreakdown, MeshPlan, OpSharding, ParamSharding, Plan, SolverReport,
+from autopar.ir.errors import AutoparError, ExampleInputError, IRVerificationError, SchemaError, TraceError
+from autopar.ir.graph import DTYPE_BYTES, Graph, LayerGroup, Node, ParamInfo, TensorMeta
+from autopar.ir.layers import group_layers
+from autopar.ir.placement import Placement, Recompute, Schedule
+from autopar.ir.plan import (PLAN_SCHEMA_VERSION, MemoryBreakdown, MeshPlan, OpSharding, ParamSharding, Plan, SolverReport,
                      StagePlan, TimeBreakdown, dump_plan, load_plan, plan_from_yaml, plan_to_yaml)
-from ir.trace import TensorSpec, trace
-from ir.verify import verify
+from autopar.ir.trace import TensorSpec, trace
+from autopar.ir.verify import verify
 
 __all__ = [
     "AutoparError", "ExampleInputError", "IRVerificationError", "SchemaError", "TraceError",
     "DTYPE_BYTES", "Graph", "LayerGroup", "Node", "ParamInfo", "TensorMeta",
-    "group_layers", "TensorSpec", "trace", "verify",
+    "group_layers", "TensorSpec", "trace", "verify", "Placement", "Recompute", "Schedule",
     "PLAN_SCHEMA_VERSION", "MemoryBreakdown", "MeshPlan", "OpSharding", "ParamSharding", "Plan", "SolverReport",
     "StagePlan", "TimeBreakdown", "dump_plan", "load_plan", "plan_from_yaml", "plan_to_yaml",
 ]

@@ -45,7 +45,7 @@ class ExampleInputError(TraceError):
 
 
 class IRVerificationError(AutoparError, AssertionError):
-    """``ir.verify`` found a broken invariant (an autopar bug or a hand-built graph)."""
+    """``autopar.ir.verify`` found a broken invariant (an autopar bug or a hand-built graph)."""
 
 
 class SchemaError(AutoparError, ValueError):

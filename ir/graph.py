@@ -1,11 +1,11 @@
 """The graph IR: frozen dataclasses describing what a model computes.
 
 A :class:`Graph` is a topologically ordered tuple of :class:`Node` s.  Each node is one tensor operation with a
-canonical op name (see :mod:`ir.ops`), the names of the values it reads (other nodes, or parameter/buffer FQNs), the
+canonical op name (see :mod:`autopar.ir.ops`), the names of the values it reads (other nodes, or parameter/buffer FQNs), the
 metadata of the tensors it produces, the module it came from, and its forward/backward FLOPs and bytes.  No weight is
 ever stored: parameters are described by :class:`ParamInfo` (name, shape, dtype).
 
-Graphs are values.  Passes build new graphs with :func:`dataclasses.replace`; :func:`ir.verify` checks the invariants.
+Graphs are values.  Passes build new graphs with :func:`dataclasses.replace`; :func:`autopar.ir.verify` checks the invariants.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class Node:
     name: str
     """Unique name inside the graph (from the front end, e.g. ``linear_3``)."""
     op: str
-    """Canonical op name from :mod:`ir.ops` (``linear``, ``sdpa``, ``layer_norm``, ``add``, ``view``...)."""
+    """Canonical op name from :mod:`autopar.ir.ops` (``linear``, ``sdpa``, ``layer_norm``, ``add``, ``view``...)."""
     kind: str
     """Cost class of the op: matmul, attention, conv, embedding, norm, softmax, loss, pointwise, reduction,
     copy, gather, creation, view, input, unknown."""

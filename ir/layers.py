@@ -17,7 +17,7 @@ import hashlib
 import json
 from dataclasses import replace
 
-from ir.graph import Graph, LayerGroup, Node
+from autopar.ir.graph import Graph, LayerGroup, Node
 
 __all__ = ["group_layers", "block_key", "structural_hash"]
 

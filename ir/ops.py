@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from ir.graph import TensorMeta
+from autopar.ir.graph import TensorMeta
 
 __all__ = ["OpRule", "OP_RULES", "ALIASES", "canonical_op", "op_cost", "KINDS"]
 

@@ -1,12 +1,12 @@
-"""Graph passes: pure functions ``Graph -> Graph`` (run ``ir.verify`` after each in tests)."""
+"""Graph passes: pure functions ``Graph -> Graph`` (run ``autopar.ir.verify`` after each in tests)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from ir.graph import Graph, Node, TensorMeta
-from ir.layers import group_layers
-from ir.ops import op_cost
+from autopar.ir.graph import Graph, Node, TensorMeta
+from autopar.ir.layers import group_layers
+from autopar.ir.ops import op_cost
 
 __all__ = ["decompose_attention"]
 

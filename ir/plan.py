@@ -20,24 +20,24 @@ from typing import Any, Literal
 
 import yaml
 
-from ir.errors import SchemaError
-from ir.serialize import from_data, to_data
+from autopar.ir.errors import SchemaError
+from autopar.ir.placement import Placement, Recompute, Schedule
+from autopar.ir.serialize import from_data, to_data
 
 __all__ = [
-    "PLAN_SCHEMA_VERSION", "Schedule", "Recompute", "MeshPlan", "ParamSharding", "OpSharding", "MemoryBreakdown",
+    "PLAN_SCHEMA_VERSION", "Schedule", "Recompute", "Placement", "MeshPlan", "ParamSharding", "OpSharding", "MemoryBreakdown",
     "TimeBreakdown", "StagePlan", "SolverReport", "Plan", "dump_plan", "load_plan", "plan_to_yaml",
-    "plan_from_yaml", "PLACEMENT_RE",
+    "plan_from_yaml",
 ]
 
 PLAN_SCHEMA_VERSION = 1
-Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
-Recompute = Literal["none", "selective", "full"]
-PLACEMENT_RE = re.compile(r"^(R|P|S\(\d+\)(\[\d+\])?)$")
 
 
 def _check_placement(p: str, what: str) -> None:
-    if not PLACEMENT_RE.match(p):
-        raise ValueError(f"{what}: placement must be R, P, S(<dim>) or S(<dim>)[<parts>], got {p!r}")
+    try:
+        Placement.parse(p)
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -156,13 +156,14 @@ class StagePlan:
     """One past the last layer group."""
     modules: tuple[str, ...] = ()
     """Module paths of the stage's blocks (the prefix/suffix groups are named ``<prefix>``/``<suffix>``)."""
-    recompute: Recompute = "none"
+    recompute: Recompute = Recompute.NONE
     fwd_s: float = 0.0
     """Forward time of one micro-batch on this stage (including tp communication)."""
     bwd_s: float = 0.0
     memory: MemoryBreakdown = field(default_factory=MemoryBreakdown)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "recompute", Recompute(self.recompute))
         if not 0 <= self.layer_start < self.layer_end:
             raise ValueError(f"stage {self.index}: empty or negative layer range [{self.layer_start}, "
                              f"{self.layer_end})")
@@ -201,7 +202,7 @@ class Plan:
     """Samples per micro-batch per data-parallel replica."""
     num_microbatches: int
     mesh: MeshPlan
-    schedule: Schedule = "1f1b"
+    schedule: Schedule = Schedule.ONE_F_ONE_B
     virtual_stages: int = 1
     """Model chunks per pipeline rank (interleaved 1F1B); 1 otherwise."""
     zero: int = 0
@@ -223,6 +224,7 @@ class Plan:
     notes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "schedule", Schedule(self.schedule))
         if self.schema_version != PLAN_SCHEMA_VERSION:
             raise ValueError(f"schema_version {self.schema_version} is not supported (expected "
                              f"{PLAN_SCHEMA_VERSION})")

@@ -1,4 +1,4 @@
-"""Front ends: lift an ``nn.Module`` into an :class:`ir.Graph` without materializing any weight.
+"""Front ends: lift an ``nn.Module`` into an :class:`autopar.ir.Graph` without materializing any weight.
 
 Two front ends produce the same IR:
 
@@ -28,10 +28,10 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from ir.errors import ExampleInputError, TraceError
-from ir.graph import Graph, Node, ParamInfo, TensorMeta
-from ir.layers import group_layers
-from ir.ops import canonical_op, op_cost
+from autopar.ir.errors import ExampleInputError, TraceError
+from autopar.ir.graph import Graph, Node, ParamInfo, TensorMeta
+from autopar.ir.layers import group_layers
+from autopar.ir.ops import canonical_op, op_cost
 
 __all__ = ["TensorSpec", "trace", "Frontend"]
 
@@ -353,12 +353,12 @@ def _quiet_torch_logs() -> Iterator[None]:
 
 def trace(model: torch.nn.Module, example_inputs: Sequence[Any] | Any, *, frontend: Frontend = "auto",
           model_name: str = "") -> Graph:
-    """Lift ``model`` into an :class:`ir.Graph`.
+    """Lift ``model`` into an :class:`autopar.ir.Graph`.
 
     ``example_inputs`` is one input or a tuple of them: real tensors, meta tensors, :class:`TensorSpec`, or plain shape
     tuples (float32).  ``frontend`` picks ``"fx"`` (symbolic_trace), ``"export"`` (torch.export) or ``"auto"`` (fx,
-    falling back to export).  Raises :class:`ir.TraceError` when no front end captures the model and
-    :class:`ir.ExampleInputError` when the example inputs do not fit it.  Never mutates or materializes ``model``.
+    falling back to export).  Raises :class:`autopar.ir.TraceError` when no front end captures the model and
+    :class:`autopar.ir.ExampleInputError` when the example inputs do not fit it.  Never mutates or materializes ``model``.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"trace() needs an nn.Module, got {type(model).__name__}")

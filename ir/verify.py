@@ -1,10 +1,10 @@
-"""``ir.verify``: the IR's invariants, checked after every pass in tests."""
+"""``autopar.ir.verify``: the IR's invariants, checked after every pass in tests."""
 
 from __future__ import annotations
 
-from ir.errors import IRVerificationError
-from ir.graph import Graph
-from ir.ops import KINDS
+from autopar.ir.errors import IRVerificationError
+from autopar.ir.graph import Graph
+from autopar.ir.ops import KINDS
 
 __all__ = ["verify"]
 

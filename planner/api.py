@@ -22,13 +22,13 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-import ir
-from ir.graph import Graph
-from ir.plan import Plan, load_plan
-from planner.options import PlanOptions, parse_pins
-from planner.search import SearchResult, search
-from profiles.builtin import resolve_profile, with_nodes
-from profiles.schema import ClusterProfile
+from autopar import ir
+from autopar.ir.graph import Graph
+from autopar.ir.plan import Plan, load_plan
+from autopar.planner.options import PlanOptions, parse_pins
+from autopar.planner.search import SearchResult, search
+from autopar.profiles.builtin import resolve_profile, with_nodes
+from autopar.profiles.schema import ClusterProfile
 
 __all__ = ["AutoParallel", "plan", "auto_parallel", "resolve_cluster", "in_distributed_launch", "batch_one"]
 
@@ -50,15 +50,13 @@ _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_
 
 
 def _measure_here(path: Path, ranks: int, timeout_s: float) -> None:
-    """Run ``python -m profiles.profiler --quick`` in a child process without the launcher's environment.
+    """Run ``python -m autopar.profiles.profiler --quick`` in a child process without the launcher's environment.
 
     Under torchrun ``TORCHELASTIC_USE_AGENT_STORE`` (and MASTER_*) would make the profiler's own process group join
     the agent's store instead of creating one, so its ranks would wait forever."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_ENV)}
-    root = str(Path(__file__).resolve().parents[1])
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [sys.executable, "-m", "profiles.profiler", "-o", str(tmp), "--ranks", str(ranks), "--quick",
+    cmd = [sys.executable, "-m", "autopar.profiles.profiler", "-o", str(tmp), "--ranks", str(ranks), "--quick",
            "--no-progress"]
     try:
         res = subprocess.run(cmd, env=env, timeout=timeout_s, check=False, capture_output=True, text=True)
@@ -91,7 +89,7 @@ def resolve_cluster(cluster: str | Path | ClusterProfile | None, nodes: int | No
         return with_nodes(cluster, nodes) if nodes else cluster
     if cluster is not None:
         return resolve_profile(cluster, nodes)
-    from profiles.schema import load_profile
+    from autopar.profiles.schema import load_profile
 
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count() or 2))
     path = _measured_profile_path(ranks)
@@ -177,9 +175,15 @@ class AutoParallel:
             self._result = search(self.trace(), self.profile(), self.plan_options(), progress)
         return self._result
 
-    def apply(self, plan: Plan | str | Path | None = None, *, init: str = "copy", seed: int = 0) -> Any:
-        """Build this rank's parallel program (needs an initialized process group, e.g. under torchrun)."""
-        from codegen.runtime.program import build_program
+    def apply(self, plan: Plan | str | Path | None = None, *, init: Any = "copy", seed: int = 0) -> Any:
+        """Build this rank's parallel program (needs an initialized process group, e.g. under torchrun).
+
+        ``init="copy"`` shards the caller's weights; ``init="seed"`` generates a zoo model's weights shard by shard
+        (``autopar.zoo.init_weights``), and any ``init(model, seed)`` function does the same with its own rules."""
+        from autopar.codegen.runtime.program import build_program
+        from autopar.zoo import init_weights
+
+        init = init_weights if init == "seed" else init
 
         if plan is None:
             chosen = self.plan().best
@@ -195,12 +199,12 @@ class AutoParallel:
                              graph=self.trace(), init=init, seed=seed)
 
     def explain(self, node: str) -> str:
-        from planner.report import explain_node
+        from autopar.planner.report import explain_node
 
         return explain_node(self.plan().best, node, graph=self.trace())
 
     def diff(self, other: Plan) -> str:
-        from planner.report import diff_plans
+        from autopar.planner.report import diff_plans
 
         return diff_plans(self.plan().best, other)
 
@@ -209,7 +213,7 @@ def _plan_once(ap: AutoParallel) -> Plan:
     """Rank 0 searches and broadcasts the plan, so every rank builds the same program (and the search runs once)."""
     import torch.distributed as dist
 
-    from ir.plan import plan_from_yaml, plan_to_yaml
+    from autopar.ir.plan import plan_from_yaml, plan_to_yaml
 
     if not (dist.is_available() and dist.is_initialized()):
         return ap.plan().best
@@ -223,7 +227,7 @@ def _plan_once(ap: AutoParallel) -> Plan:
 
 def plan(model: torch.nn.Module, example_inputs: Sequence[Any], *, cluster: str | Path | ClusterProfile,
          global_batch: int, nodes: int | None = None, model_name: str = "", **options: Any) -> SearchResult:
-    """Plan ``model`` for ``cluster``: the best :class:`ir.Plan` (``.best``) and the top-k ``.alternatives``."""
+    """Plan ``model`` for ``cluster``: the best :class:`autopar.ir.Plan` (``.best``) and the top-k ``.alternatives``."""
     return AutoParallel(model, example_inputs, global_batch, cluster=cluster, nodes=nodes, model_name=model_name,
                         options=options).plan()
 
@@ -235,7 +239,7 @@ def auto_parallel(model: torch.nn.Module, *, example_inputs: Sequence[Any], loss
 
     Under torchrun: profiles this machine (``cluster=None``) or loads ``cluster``, plans (or loads ``plan``) and
     returns the rank's parallel program (``.step(inputs, targets)``, ``.parameters()`` for any torch optimizer).
-    Without torchrun: returns the best :class:`ir.Plan` for ``cluster`` instead.  ``model`` is never mutated.
+    Without torchrun: returns the best :class:`autopar.ir.Plan` for ``cluster`` instead.  ``model`` is never mutated.
     """
     if in_distributed_launch():
         world = int(os.environ["WORLD_SIZE"])

@@ -1,8 +1,8 @@
-"""Exact evaluation of one screened candidate and its assembly into an :class:`ir.Plan`.
+"""Exact evaluation of one screened candidate and its assembly into an :class:`autopar.ir.Plan`.
 
-Stages come from the memory-aware partitioner (:func:`planner.stages.partition_stages`); each pipeline rank then
+Stages come from the memory-aware partitioner (:func:`autopar.planner.stages.partition_stages`); each pipeline rank then
 takes the least recomputation that still fits (later 1F1B stages hold fewer micro-batches, so they often need none);
-the iteration is simulated event by event (:func:`planner.schedule.simulate`).  Time is reported as
+the iteration is simulated event by event (:func:`autopar.planner.schedule.simulate`).  Time is reported as
 
     total = compute + exposed communication + bubble + optimizer step
 
@@ -15,16 +15,16 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Sequence
 
-from ir.graph import DTYPE_BYTES, Graph
-from ir.plan import MemoryBreakdown, MeshPlan, OpSharding, ParamSharding, Plan, SolverReport, StagePlan, TimeBreakdown
-from planner.costing import (ADAM_STEP_BYTES, LayerTable, Screened, dp_sync_time, group_placements, in_flight,
+from autopar.ir.graph import DTYPE_BYTES, Graph
+from autopar.ir.plan import MemoryBreakdown, MeshPlan, OpSharding, ParamSharding, Plan, SolverReport, StagePlan, TimeBreakdown
+from autopar.planner.costing import (ADAM_STEP_BYTES, LayerTable, Screened, dp_sync_time, group_placements, in_flight,
                              reserve_for, zero3_gather_exposed)
-from planner.memory import memory_breakdown, model_state_bytes
-from planner.options import PlanOptions
-from planner.schedule import ScheduleResult, simulate
-from planner.stages import partition_stages
-from profiles.cost import CostModel
-from profiles.schema import ClusterProfile
+from autopar.planner.memory import memory_breakdown, model_state_bytes
+from autopar.planner.options import PlanOptions
+from autopar.planner.schedule import ScheduleResult, simulate
+from autopar.planner.stages import partition_stages
+from autopar.profiles.cost import CostModel
+from autopar.profiles.schema import ClusterProfile
 
 __all__ = ["build_plan", "param_patterns", "evaluate_stages"]
 

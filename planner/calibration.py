@@ -2,7 +2,7 @@
 
 Two independent sources, both Megatron-LM on DGX A100 80GB clusters:
 
-- ``shared/calibration/megatron_sc21_table1.json``: Narayanan et al. SC'21 Table 1, throughput of 10 GPT
+- ``profiles/published/megatron_sc21_table1.json`` (a copy of the project's ``shared/calibration`` file): Narayanan et al. SC'21 Table 1, throughput of 10 GPT
   configurations on 32 to 3072 GPUs (2021 software, full recomputation).
 - ``profiles/published/megatron_korthikanti2022.json``: Korthikanti et al. 2022 (arXiv:2205.05198), the time of one
   22B transformer layer (Table 4) and end-to-end iteration times of four models on 8 to 512 GPUs (Table 5).
@@ -19,29 +19,31 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from importlib import resources
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-import ir
-from ir.passes import decompose_attention
-from ir.plan import Plan
-from planner.cpsat import IntraOpOptions
-from planner.intra_op import solve_graph
-from planner.options import PlanOptions
-from planner.search import search
-from profiles.builtin import load_builtin
-from profiles.cost import CostModel
-from profiles.schema import ClusterProfile
+from autopar import ir
+from autopar.ir.passes import decompose_attention
+from autopar.ir.plan import Plan
+from autopar.planner.cpsat import IntraOpOptions
+from autopar.planner.intra_op import solve_graph
+from autopar.planner.options import PlanOptions
+from autopar.planner.search import search
+from autopar.profiles.builtin import load_builtin
+from autopar.profiles.cost import CostModel
+from autopar.profiles.schema import ClusterProfile
 
 __all__ = ["CalibrationRow", "IterationRow", "LayerFit", "megatron_flops", "load_cases", "load_published",
            "calibrate_case", "check_iteration", "fit_sustained_fraction", "layer_times", "DEFAULT_CASES",
            "PUBLISHED"]
 
-DEFAULT_CASES = Path(__file__).resolve().parents[2] / "shared" / "calibration" / "megatron_sc21_table1.json"
-PUBLISHED = Path(__file__).resolve().parents[1] / "profiles" / "published" / "megatron_korthikanti2022.json"
+_PUBLISHED_DIR = Path(str(resources.files("autopar.profiles") / "published"))  # shipped as package data
+DEFAULT_CASES = _PUBLISHED_DIR / "megatron_sc21_table1.json"
+PUBLISHED = _PUBLISHED_DIR / "megatron_korthikanti2022.json"
 _GPU_PROFILE = {"A100-SXM4-80GB": "dgx-a100-80gb"}
 _DTYPE = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 _DROPOUT = 0.1  # Megatron-LM trains GPT with hidden and attention dropout 0.1
@@ -64,7 +66,7 @@ def load_published(path: Path | str = PUBLISHED) -> dict[str, Any]:
 def _graph(model: dict[str, Any], layers: int | None = None) -> ir.Graph:
     """The GPT Megatron-LM trained: dropout 0.1, attention scores materialized (fused scale-mask-softmax, no flash
     attention in 2021-22)."""
-    from examples.zoo.gpt import GPT, GPTConfig
+    from autopar.zoo.gpt import GPT, GPTConfig
 
     cfg = GPTConfig(layers=layers or model["layers"], hidden=model["hidden"], heads=model["heads"],
                     seq=model["seq"], vocab=model["vocab"], dropout=_DROPOUT)

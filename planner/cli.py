@@ -14,13 +14,13 @@ log = logging.getLogger(__name__)
 
 
 def _spec(name: str, batch: int = 1, seq: int | None = None) -> Any:
-    from examples.zoo import build
+    from autopar.zoo import build
 
     return build(name, batch=batch, device="meta", seq=seq)
 
 
 def _trace(name: str, seq: int | None = None, frontend: str = "auto") -> Any:
-    import ir
+    from autopar import ir
 
     spec = _spec(name, 1, seq)
     return ir.verify(ir.trace(spec.model, spec.example_inputs, frontend=frontend, model_name=name))  # type: ignore
@@ -29,7 +29,7 @@ def _trace(name: str, seq: int | None = None, frontend: str = "auto") -> Any:
 def _cmd_trace(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from planner.report import render_tables
+    from autopar.planner.report import render_tables
 
     graph = _trace(args.model, args.seq, args.frontend)
     s = graph.summary()
@@ -46,7 +46,7 @@ def _cmd_trace(args: argparse.Namespace) -> int:
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
-    from examples.zoo import list_models
+    from autopar.zoo import list_models
 
     print("\n".join(list_models()))
     return 0
@@ -69,11 +69,11 @@ def _progress_printer() -> Any:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from ir.plan import dump_plan
-    from planner.api import resolve_cluster
-    from planner.options import PlanOptions, parse_pins
-    from planner.report import render_plan
-    from planner.search import search
+    from autopar.ir.plan import dump_plan
+    from autopar.planner.api import resolve_cluster
+    from autopar.planner.options import PlanOptions, parse_pins
+    from autopar.planner.report import render_plan
+    from autopar.planner.search import search
 
     profile = resolve_cluster(args.cluster, args.nodes)
     graph = _trace(args.model, args.seq)
@@ -96,8 +96,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    from ir.plan import load_plan
-    from planner.report import render_plan, schedule_trace
+    from autopar.ir.plan import load_plan
+    from autopar.planner.report import render_plan, schedule_trace
 
     plan = load_plan(args.plan)
     print(render_plan(plan), end="")
@@ -105,15 +105,15 @@ def _cmd_show(args: argparse.Namespace) -> int:
         n = schedule_trace(plan, args.trace)
         print(f"wrote {n} trace events to {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)")
     if args.kernels:
-        from codegen.fusion import render_kernels
+        from autopar.codegen.fusion import render_kernels
 
         print(render_kernels(_trace(plan.model)))
     return 0
 
 
 def _cmd_explain(args: argparse.Namespace) -> int:
-    from ir.plan import load_plan
-    from planner.report import explain_node
+    from autopar.ir.plan import load_plan
+    from autopar.planner.report import explain_node
 
     plan = load_plan(args.plan)
     graph = None if args.no_alternatives else _trace(plan.model)
@@ -122,15 +122,15 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
-    from ir.plan import load_plan
-    from planner.report import diff_plans
+    from autopar.ir.plan import load_plan
+    from autopar.planner.report import diff_plans
 
     print(diff_plans(load_plan(args.a), load_plan(args.b)), end="")
     return 0
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
-    from profiles.profiler import run_profile_command
+    from autopar.profiles.profiler import run_profile_command
 
     prof = run_profile_command(args.output, args.ranks, args.quick, backend=args.backend, name=args.name,
                                progress=not args.no_progress)
@@ -139,13 +139,15 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from codegen.runtime.launch import check_checkpoint_dir, run_plan
+    from autopar.planner.run.torchrun import check_checkpoint_dir, run_plan
 
     worker: list[str] = ["--data", args.data]
+    if args.step_hook:
+        worker += ["--step-hook", args.step_hook]
     if args.report:
         worker += ["--report", str(Path(args.report).resolve())]
     if args.checkpoint_dir:
-        from codegen.checkpoint import CheckpointOptions
+        from autopar.codegen.checkpoint import CheckpointOptions
 
         ckpt = str(Path(args.checkpoint_dir).resolve())
         CheckpointOptions(root=ckpt, every=args.save_every, keep=args.keep)  # validates before launching
@@ -168,11 +170,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_replan(args: argparse.Namespace) -> int:
-    from ir.plan import dump_plan, load_plan
-    from planner.api import resolve_cluster
-    from planner.options import PlanOptions, parse_pins
-    from planner.report import diff_plans
-    from planner.search import search
+    from autopar.ir.plan import dump_plan, load_plan
+    from autopar.planner.api import resolve_cluster
+    from autopar.planner.options import PlanOptions, parse_pins
+    from autopar.planner.report import diff_plans
+    from autopar.planner.search import search
 
     old = load_plan(args.plan)
     graph = _trace(args.model or old.model)
@@ -239,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     df.set_defaults(func=_cmd_diff)
 
     pr = sub.add_parser("profile", help="measure this machine into a cluster profile")
-    from profiles.profiler import build_parser as profile_args
+    from autopar.profiles.profiler import build_parser as profile_args
 
     profile_args(pr)
     pr.set_defaults(func=_cmd_profile)
@@ -260,6 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="example: the model's example batch every step; step: a fresh batch seeded by the step")
     rn.add_argument("--report", default=None, help="write a JSON report (losses, times, parameter SHA-256) here")
     rn.add_argument("--timeout", type=float, default=None, help="stop torchrun and its workers after this many s")
+    rn.add_argument("--step-hook", default=None,
+                    help="package.module:function the workers call as function(step) after every step")
     rn.add_argument("--torchrun-args", nargs=argparse.REMAINDER, help="passed to torchrun (e.g. --nnodes 2 ...)")
     rn.set_defaults(func=_cmd_run)
 
@@ -276,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from ir.errors import AutoparError
+    from autopar.ir.errors import AutoparError
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")

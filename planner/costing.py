@@ -11,10 +11,10 @@ elements per device: a :class:`LayerTable`.  Screening then costs a candidate in
   ``m * R + (pp - 1) * R / v`` for interleaved 1F1B, ``R`` the busiest rank's time per micro-batch, plus
   ``2 (K - 1)`` activation transfers on the fill/drain critical path;
 * data-parallel sync overlapped with the last micro-batch's backward; ZeRO-3 re-gathers parameters every micro-batch;
-* memory per rank from :mod:`planner.memory` with the schedule's in-flight micro-batches.
+* memory per rank from :mod:`autopar.planner.memory` with the schedule's in-flight micro-batches.
 
-The best screened candidates are then evaluated exactly: memory-aware stage partition (:mod:`planner.stages`) and the
-event-driven schedule simulation (:mod:`planner.schedule`).
+The best screened candidates are then evaluated exactly: memory-aware stage partition (:mod:`autopar.planner.stages`) and the
+event-driven schedule simulation (:mod:`autopar.planner.schedule`).
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ir.graph import DTYPE_BYTES, Graph, LayerGroup
-from planner.intra_op import GroupSolution
-from planner.memory import GiB, MemoryReserve, in_flight_microbatches, memory_breakdown
-from profiles.cost import CostModel
+from autopar.ir.graph import DTYPE_BYTES, Graph, LayerGroup
+from autopar.planner.intra_op import GroupSolution
+from autopar.planner.memory import GiB, MemoryReserve, in_flight_microbatches, memory_breakdown
+from autopar.profiles.cost import CostModel
 
 __all__ = ["LayerTable", "Candidate", "Screened", "layer_table", "minmax_partition", "screen", "ADAM_STEP_BYTES",
            "group_placements", "in_flight", "reserve_for", "dp_sync_time", "zero3_gather_exposed", "rank_chunks", "divisors"]

@@ -1,7 +1,7 @@
 """The CP-SAT core of the intra-op (tensor-parallel) sharding solver: plain costs in, choices out, no I/O.
 
 Formulation (Alpa, Zheng et al. OSDI'22 Sec. 4.2; tight edge variables as in meta-pytorch/autoparallel
-``optimize_sharding.py``). For the nodes V of one layer group, strategies S_v (:mod:`planner.strategies`) and data
+``optimize_sharding.py``). For the nodes V of one layer group, strategies S_v (:mod:`autopar.planner.strategies`) and data
 edges E between them:
 
 * choice      x[v,s] in {0,1},   sum_s x[v,s] = 1                                   (add_one_choice_constraint)
@@ -20,7 +20,7 @@ edges E between them:
               costs in integer nanoseconds.
 
 :func:`solve_costs` takes plain costs and does no I/O, so tests compare it with brute-force enumeration;
-:mod:`planner.intra_op` builds those costs from a layer group of the graph.
+:mod:`autopar.planner.intra_op` builds those costs from a layer group of the graph.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Intra-op (tensor-parallel) sharding: a CP-SAT model per layer group, built from the graph and the cost model.
 
-For the nodes of one layer group, each node's strategies (:mod:`planner.strategies`) get compute costs, each data edge
-the resharding costs between every pair of strategies, and the model of :mod:`planner.cpsat` (its docstring gives
+For the nodes of one layer group, each node's strategies (:mod:`autopar.planner.strategies`) get compute costs, each data edge
+the resharding costs between every pair of strategies, and the model of :mod:`autopar.planner.cpsat` (its docstring gives
 the formulation: one-choice, tight edge, equality, memory and shared-collective constraint families) picks one
 strategy per node.  Groups with equal ``structural_hash`` are solved once (cached by hash, tp, scale, dtype, budget
 and boundaries); tp=1 returns the all-replicate solution without calling CP-SAT.
@@ -13,14 +13,15 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 
-from ir.graph import DTYPE_BYTES, Graph, LayerGroup, Node, TensorMeta
-from ir.plan import OpSharding
-from planner.cpsat import (INF, CoreSolution, Edge, EqualPair, IntraOpOptions, Shared, add_edge_constraint,
+from autopar.ir.graph import DTYPE_BYTES, Graph, LayerGroup, Node, TensorMeta
+from autopar.ir.plan import OpSharding
+from autopar.planner.cpsat import (INF, CoreSolution, Edge, EqualPair, IntraOpOptions, Shared, add_edge_constraint,
                            add_equal_constraint, add_memory_constraint, add_one_choice_constraint,
                            add_shared_cost_constraint, evaluate_costs, solve_costs)
-from planner.strategies import (FLOAT_DTYPES, SavedTensor, Strategy, input_meta, is_shard, parse_placement,
-                                public_placement, saved_tensors, shard, storage_key, strategies_for)
-from profiles.cost import CostModel, GroupSpan
+from autopar.ir.placement import is_shard, parse_placement, public_placement, shard
+from autopar.planner.strategies import (FLOAT_DTYPES, SavedTensor, Strategy, input_meta, saved_tensors, storage_key,
+                                        strategies_for)
+from autopar.profiles.cost import CostModel, GroupSpan
 
 __all__ = ["IntraOpOptions", "GroupSolution", "CoreSolution", "solve_costs", "evaluate_costs", "solve_group",
            "solve_graph", "strategy_costs", "add_one_choice_constraint", "add_edge_constraint", "add_equal_constraint",
@@ -426,7 +427,7 @@ def _param_placements(graph: Graph, group: LayerGroup, m: _Model,
         for pos, p in enumerate(n.inputs):
             if p in n.params and p not in pp:
                 pp[p] = s.inputs[pos] or "R"
-    split = {p: parse_placement(x)[2] for p, x in pp.items() if is_shard(x) and parse_placement(x)[2] > 1}
+    split = {p: parse_placement(x).chunks for p, x in pp.items() if is_shard(x) and parse_placement(x).chunks > 1}
     return pp, split
 
 
@@ -571,7 +572,7 @@ def solve_graph(graph: Graph, *, tp: int, cost: CostModel, tp_span: GroupSpan, d
         cache[key] = sol
         for p, pl in sol.param_placements.items():
             k = sol.param_split_factors.get(p, 1)
-            fixed.setdefault(p, pl if k == 1 else shard(parse_placement(pl)[1], k))
+            fixed.setdefault(p, pl if k == 1 else shard(parse_placement(pl).dim, k))
         return sol
 
     for g in layers:

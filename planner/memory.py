@@ -14,7 +14,7 @@ layer's unsharded gradients exist until the reduce-scatter. We charge ``2 * P_la
 layer (compute precision) under "other".
 
 **Activations.** Bytes saved per micro-batch for a stage's layers (given by the caller for the stage's recompute
-mode) times the micro-batches in flight on that stage under the schedule (from :mod:`planner.schedule`): GPipe
+mode) times the micro-batches in flight on that stage under the schedule (from :mod:`autopar.planner.schedule`): GPipe
 ``m``; 1F1B ``min(pp - stage, m)``; interleaved 1F1B the simulator's per-rank peak in chunk-micro-batches divided by
 ``v`` (equal chunks assumed): ``pp + (pp - 1) / v`` on the first rank (Korthikanti et al., "Reducing Activation
 Recomputation in Large Transformer Models", 2022, sec. 4.2). Full recomputation also rebuilds one layer's full
@@ -35,8 +35,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from ir.plan import MemoryBreakdown, Recompute, Schedule
-from planner.schedule import peak_in_flight, rank_order
+from autopar.ir.plan import MemoryBreakdown, Recompute, Schedule
+from autopar.planner.schedule import peak_in_flight, rank_order
 
 __all__ = [
     "GiB", "MemoryReserve", "model_state_bytes", "zero3_transient_bytes", "in_flight_microbatches",

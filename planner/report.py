@@ -10,9 +10,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from ir.graph import Graph
-from ir.plan import Plan
-from ir.serialize import to_data
+from autopar.ir.graph import Graph
+from autopar.ir.plan import Plan
+from autopar.ir.serialize import to_data
 
 __all__ = ["render_tables", "render_plan", "explain_node", "diff_plans", "schedule_trace", "fmt_bytes", "fmt_time"]
 
@@ -141,9 +141,9 @@ def explain_node(plan: Plan, node: str, *, graph: Graph | None = None) -> str:
 
 def _alternatives(plan: Plan, graph: Graph, node: str) -> list[str]:
     """Each strategy the solver could have given ``node``, costed on the plan's cluster, tp group and micro-batch."""
-    from planner.intra_op import strategy_costs
-    from profiles.builtin import resolve_profile
-    from profiles.cost import CostModel
+    from autopar.planner.intra_op import strategy_costs
+    from autopar.profiles.builtin import resolve_profile
+    from autopar.profiles.cost import CostModel
 
     if not graph.has_node(node):
         return [f"(node {node!r} is not in this model's graph)"]
@@ -205,7 +205,7 @@ def _short(x: Any) -> str:
 
 def schedule_trace(plan: Plan, path: str | Path) -> int:
     """Write the simulated pipeline schedule of ``plan`` as Chrome-trace JSON; returns the number of events."""
-    from planner.schedule import chrome_trace, simulate
+    from autopar.planner.schedule import chrome_trace, simulate
 
     fwd = [s.fwd_s for s in plan.stages]
     bwd = [s.bwd_s for s in plan.stages]

@@ -1,10 +1,10 @@
 """The outer search: mesh shape x micro-batching x schedule x ZeRO x recomputation, over a traced graph.
 
-For every tensor-parallel degree ``tp`` and micro-batch size, the intra-op CP-SAT solver (:mod:`planner.intra_op`)
+For every tensor-parallel degree ``tp`` and micro-batch size, the intra-op CP-SAT solver (:mod:`autopar.planner.intra_op`)
 shards each distinct layer group once (identical blocks reuse the answer).  Every ``(pp, dp)`` split of the rest of
 the cluster, every schedule (GPipe, 1F1B, interleaved 1F1B with 2..4 virtual stages), ZeRO level 0-3 and recompute
-mode is then screened with closed forms (:mod:`planner.costing`, microseconds each); the best screened candidates are
-evaluated exactly (memory-aware stage partition, event-driven schedule simulation) and turned into :class:`ir.Plan`
+mode is then screened with closed forms (:mod:`autopar.planner.costing`, microseconds each); the best screened candidates are
+evaluated exactly (memory-aware stage partition, event-driven schedule simulation) and turned into :class:`autopar.ir.Plan`
 objects.  Pins (``tp=8``, ``schedule=1f1b``...) restrict the space; when nothing fits in memory the error names the
 smallest cluster (in nodes) on which the model does fit.
 """
@@ -16,17 +16,17 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from codegen.fusion import apply_fused_bytes
-from ir.errors import AutoparError
-from ir.graph import Graph
-from planner.assemble import build_plan
-from planner.costing import Candidate, LayerTable, Screened, divisors, layer_table, screen
-from planner.intra_op import IntraOpOptions, solve_graph
-from planner.options import PlanOptions
-from ir.plan import Plan
-from profiles.builtin import with_nodes
-from profiles.cost import CostModel
-from profiles.schema import ClusterProfile
+from autopar.codegen.fusion import apply_fused_bytes
+from autopar.ir.errors import AutoparError
+from autopar.ir.graph import Graph
+from autopar.planner.assemble import build_plan
+from autopar.planner.costing import Candidate, LayerTable, Screened, divisors, layer_table, screen
+from autopar.planner.intra_op import IntraOpOptions, solve_graph
+from autopar.planner.options import PlanOptions
+from autopar.ir.plan import Plan
+from autopar.profiles.builtin import with_nodes
+from autopar.profiles.cost import CostModel
+from autopar.profiles.schema import ClusterProfile
 
 __all__ = ["SearchResult", "PlanInfeasibleError", "search"]
 

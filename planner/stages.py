@@ -11,7 +11,7 @@ For stage ``k = [i, j)``:
   the transfer across its outgoing boundary (charged to the sender; the caller's ``p2p`` says whether that covers the
   forward activation and the backward gradient, usually both),
 - memory ``M_k(i, j) = sum(mem[i:j]) + in_flight(k) * sum(act[i:j])``: model state plus the activations of the
-  ``in_flight(k)`` micro-batches the schedule keeps alive on that stage (:mod:`planner.schedule`).
+  ``in_flight(k)`` micro-batches the schedule keeps alive on that stage (:mod:`autopar.planner.schedule`).
 
 Objective: minimize the bottleneck ``max_k T_k`` (the steady-state pipeline period; total compute is fixed, so this
 also minimizes the iteration time ``~ sum_k T_k + (m - 1) max_k T_k`` up to transfers) subject to

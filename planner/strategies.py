@@ -24,21 +24,19 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ir.graph import Graph, Node, TensorMeta
+from autopar.ir.graph import Graph, Node, TensorMeta
+from autopar.ir.placement import is_shard, parse_placement, public_placement, shard
 
 __all__ = [
-    "Strategy", "SavedTensor", "strategies_for", "saved_tensors", "shard", "parse_placement", "public_placement",
-    "is_shard", "reshape_pairs", "input_meta", "storage_key", "FLOAT_DTYPES",
+    "Strategy", "SavedTensor", "strategies_for", "saved_tensors", "reshape_pairs", "input_meta", "storage_key", "FLOAT_DTYPES",
 ]
 
 log = logging.getLogger(__name__)
 
 FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
-_PLACEMENT = re.compile(r"^S\((\d+)\)(?:\[(\d+)\])?$")
 _LINEAR_PW = frozenset({"neg", "cast", "identity", "clone", "contiguous", "copy", "alias", "detach"})
 _SAVE_INPUT = frozenset({"gelu", "silu", "relu", "sigmoid", "tanh", "exp", "log", "sin", "cos", "erf", "softplus",
                          "mish", "hardswish", "elu", "leaky_relu", "log1p", "expm1", "pow", "square", "sqrt",
@@ -47,31 +45,6 @@ _SAVE_OUTPUT = frozenset({"softmax", "log_softmax", "rsqrt", "reciprocal"})
 _P_REDUCE = frozenset({"sum", "mean"})
 _SCAN_OPS = frozenset({"topk", "sort", "argmax", "argmin", "cumsum", "max", "min", "amax", "amin", "logsumexp",
                        "var", "std", "norm", "prod", "any", "all"})
-
-
-# ---- placements -----------------------------------------------------------------------------------------------
-def shard(d: int, k: int = 1) -> str:
-    """``S(d)``, or the interleaved ``S(d)[k]`` when ``k > 1``."""
-    return f"S({d})" if k == 1 else f"S({d})[{k}]"
-
-
-def parse_placement(p: str) -> tuple[str, int, int]:
-    """(kind, dim, split factor): ``("R", -1, 1)``, ``("P", -1, 1)`` or ``("S", d, k)``."""
-    m = _PLACEMENT.match(p)
-    if m:
-        return "S", int(m.group(1)), int(m.group(2) or 1)
-    if p in ("R", "P"):
-        return p, -1, 1
-    raise ValueError(f"not a placement: {p!r}")
-
-
-def is_shard(p: str | None) -> bool:
-    return p is not None and p.startswith("S(")
-
-
-def public_placement(p: str) -> str:
-    """The plan's form of a placement (``S(d)[k]`` -> ``S(d)``)."""
-    return p.split("[", 1)[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,7 +294,7 @@ def _consumer_view_ks(ctx: _Ctx, dim: int) -> set[int]:
         un = ctx.graph.node(u)
         if un.kind == "view" and un.outputs and len(un.outputs) == 1:
             for a, _ in reshape_pairs(ctx.out.shape, un.out.shape, ctx.t):
-                _, d, k = parse_placement(a)
+                d, k = parse_placement(a).dim, parse_placement(a).chunks
                 if d == dim:
                     ks.add(k)
     return ks
@@ -335,7 +308,7 @@ def _producer_view_ks(ctx: _Ctx, i: int, dim: int) -> set[int]:
         src = input_meta(ctx.graph, p, 0) if p.inputs else None
         if p.kind == "view" and src is not None and len(p.outputs) == 1:
             for _, b in reshape_pairs(src.shape, p.out.shape, ctx.t):
-                _, d, k = parse_placement(b)
+                d, k = parse_placement(b).dim, parse_placement(b).chunks
                 if d == dim:
                     ks.add(k)
     return ks
@@ -622,7 +595,7 @@ def _view(ctx: _Ctx) -> list[Strategy]:
     elif multi:  # split/chunk/unbind: dims other than the split dim carry over
         outs = ctx.node.outputs
         pairs = [(a, b) for a, b in [(shard(i), shard(j)) for i, j in _align(x.shape, outs[0].shape).items()]
-                 if all(o.shape == outs[0].shape for o in outs) and ctx.ok(x.shape[parse_placement(a)[1]])]
+                 if all(o.shape == outs[0].shape for o in outs) and ctx.ok(x.shape[parse_placement(a).dim])]
     else:
         pairs = _view_pairs(ctx, x)
     res += [ctx.mk(f"{a}->{b}", {ix: a}, b) for a, b in pairs]

@@ -1,15 +1,15 @@
 """autopar profiles: what the hardware costs.
 
-- :mod:`profiles.schema`: the cluster profile dataclasses, YAML load/save and validation.
-- :mod:`profiles.builtin`: built-in profiles (DGX A100 80GB, DGX H100, HGX H200) and ``with_nodes``.
-- :mod:`profiles.cost`: the cost model (op, collective and p2p times).
-- :mod:`profiles.fit`: alpha-beta least-squares fitting.
-- :mod:`profiles.profiler`: ``autopar profile`` (measures this machine).
+- :mod:`autopar.profiles.schema`: the cluster profile dataclasses, YAML load/save and validation.
+- :mod:`autopar.profiles.builtin`: built-in profiles (DGX A100 80GB, DGX H100, HGX H200) and ``with_nodes``.
+- :mod:`autopar.profiles.cost`: the cost model (op, collective and p2p times).
+- :mod:`autopar.profiles.fit`: alpha-beta least-squares fitting.
+- :mod:`autopar.profiles.profiler`: ``autopar profile`` (measures this machine).
 """
 
-from profiles.builtin import builtin_names, load_builtin, resolve_profile, with_nodes
-from profiles.cost import CostModel, GroupSpan, collective_factor, group_span
-from profiles.schema import (
+from autopar.profiles.builtin import builtin_names, load_builtin, resolve_profile, with_nodes
+from autopar.profiles.cost import CostModel, GroupSpan, collective_factor, group_span
+from autopar.profiles.schema import (
     COLLECTIVES,
     SCHEMA_VERSION,
     AlphaBeta,

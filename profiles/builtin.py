@@ -7,7 +7,7 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
-from profiles.schema import ClusterProfile, ProfileError, load_profile, loads_profile
+from autopar.profiles.schema import ClusterProfile, ProfileError, load_profile, loads_profile
 
 __all__ = ["BUILTIN_PROFILES", "builtin_names", "load_builtin", "with_nodes", "resolve_profile"]
 
@@ -26,7 +26,7 @@ def builtin_names() -> list[str]:
 
 @lru_cache(maxsize=None)
 def _load(name: str) -> ClusterProfile:
-    text = resources.files("profiles").joinpath("builtin", BUILTIN_PROFILES[name]).read_text()
+    text = resources.files("autopar.profiles").joinpath("builtin", BUILTIN_PROFILES[name]).read_text()
     return loads_profile(text, origin=f"builtin:{name}")
 
 

@@ -8,7 +8,7 @@ the device's efficiency table; for the other kinds ``rate = vector_flops`` (non-
 ``sustained_fraction`` (1.0 unless the profile says otherwise) scales isolated-kernel rates down to what a whole
 training step sustains (see :class:`~profiles.schema.DeviceProfile`).
 
-**Collectives** follow the NCCL-tests bus-bandwidth convention documented in :mod:`profiles.schema`.
+**Collectives** follow the NCCL-tests bus-bandwidth convention documented in :mod:`autopar.profiles.schema`.
 A group is described by a :class:`GroupSpan`: ``d`` devices in each of ``m`` nodes (``g = d * m`` ranks).
 
 - ``m == 1``: ``t = alpha_intra(d) + f(g) * S / busbw_intra(d)``.
@@ -38,7 +38,7 @@ import math
 from dataclasses import dataclass
 from typing import Final
 
-from profiles.schema import COLLECTIVES, AlphaBeta, ClusterProfile, EfficiencyPoint, LinkProfile
+from autopar.profiles.schema import COLLECTIVES, AlphaBeta, ClusterProfile, EfficiencyPoint, LinkProfile
 
 __all__ = [
     "OP_KINDS",

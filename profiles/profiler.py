@@ -17,7 +17,7 @@ a real run):
   ``all_to_all_single`` (all natively supported by gloo in torch >= 2.x, so nothing is emulated), and p2p as
   ping-pong ``send``/``recv`` between ranks 0 and 1 (one-way time = round trip / 2).
   CPU ranks use one compute thread during this phase. Each point: warm-up, then the median over repeats of the
-  slowest rank's time. Alpha-beta are fitted per collective and group size (:func:`profiles.fit.fit_alpha_beta`,
+  slowest rank's time. Alpha-beta are fitted per collective and group size (:func:`autopar.profiles.fit.fit_alpha_beta`,
   relative least squares, non-negative) and stored as NCCL-tests bus bandwidth.
 
 The result has ``nodes = 1`` and ``devices_per_node = ranks`` and no ``inter_node`` level.
@@ -43,9 +43,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from profiles.cost import collective_factor
-from profiles.fit import busbw_from_beta, fit_alpha_beta
-from profiles.schema import SCHEMA_VERSION, ClusterProfile, profile_from_dict, save_profile
+from autopar.profiles.cost import collective_factor
+from autopar.profiles.fit import busbw_from_beta, fit_alpha_beta
+from autopar.profiles.schema import SCHEMA_VERSION, ClusterProfile, profile_from_dict, save_profile
 
 __all__ = [
     "ProfileOptions",

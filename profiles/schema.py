@@ -13,7 +13,7 @@ Bandwidth convention (NCCL-tests "bus bandwidth", ``busbw``, bytes/s). With ``n`
 
 Each collective of a link level is a small table of :class:`AlphaBeta` points keyed by group size. For the
 ``intra_node`` level ``group_size`` counts devices; for the ``inter_node`` level it counts *nodes*, and the numbers are
-those measured on groups that use every device of each node (all NICs); see :mod:`profiles.cost` for how groups
+those measured on groups that use every device of each node (all NICs); see :mod:`autopar.profiles.cost` for how groups
 using fewer devices per node are costed.
 
 Matmul efficiency is a table of :class:`EfficiencyPoint` (problem FLOPs -> achieved fraction of peak) per dtype

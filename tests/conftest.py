@@ -21,7 +21,7 @@ def _seed() -> None:
 @pytest.fixture(scope="module")
 def isolated_kernel_cache(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - a generator fixture
     """Compiled Triton kernels go to a fresh cache directory for the module, not the user's ~/.cache."""
-    from codegen.kernels import cache as kcache
+    from autopar.codegen.kernels import cache as kcache
 
     old = os.environ.get(kcache.ENV_CACHE)
     os.environ[kcache.ENV_CACHE] = str(tmp_path_factory.mktemp("kernels"))

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from codegen.kernels import launch
-from codegen.triton_gen import ACTIVATIONS, KernelSpec
+from autopar.codegen.kernels import launch
+from autopar.codegen.triton_gen import ACTIVATIONS, KernelSpec
 
 __all__ = ["fused_bias_act", "fused_swiglu", "fused_add_norm", "fused_softmax", "fused_dropout",
            "eager_bias_act", "eager_swiglu", "eager_add_norm", "eager_softmax", "use_triton"]

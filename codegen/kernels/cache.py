@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from types import ModuleType
 
-from codegen.triton_gen import KernelSpec, generate_source, source_hash
+from autopar.codegen.triton_gen import KernelSpec, generate_source, source_hash
 
 __all__ = ["cache_dir", "load_source", "load_kernels", "ENV_CACHE"]
 

@@ -1,6 +1,6 @@
 """Rewrite a ``torch.fx.GraphModule`` so that its fusable patterns call the fused Triton kernels.
 
-The patterns and rules are those of :mod:`codegen.fusion` (the same matcher runs on fx nodes here).  Per kind:
+The patterns and rules are those of :mod:`autopar.codegen.fusion` (the same matcher runs on fx nodes here).  Per kind:
 
 * ``add_norm``: ``[add ->] LayerNorm / RMSNorm (module or primitive chain)`` becomes one ``fused_add_norm`` call
   returning ``(sum, normalized)``; users of the add read the sum, users of the norm the normalized value.
@@ -25,11 +25,11 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from codegen.fusion import Match, NodeView, match_patterns
-from codegen.kernels import launch
-from codegen.kernels.autograd import (fused_add_norm, fused_bias_act, fused_dropout, fused_softmax,
+from autopar.codegen.fusion import Match, NodeView, match_patterns
+from autopar.codegen.kernels import launch
+from autopar.codegen.kernels.autograd import (fused_add_norm, fused_bias_act, fused_dropout, fused_softmax,
                                       fused_swiglu)
-from ir.ops import OP_RULES, canonical_op
+from autopar.ir.ops import OP_RULES, canonical_op
 
 __all__ = ["fuse_graph_module", "FusedDropout", "fusion_enabled"]
 
@@ -183,7 +183,7 @@ class _Rewriter:
 
 
 def fuse_graph_module(gm: fx.GraphModule, *, enabled: bool | None = None) -> fx.GraphModule:
-    """A copy of ``gm`` whose fusable patterns call the fused kernels (rules in :mod:`codegen.fusion`).
+    """A copy of ``gm`` whose fusable patterns call the fused kernels (rules in :mod:`autopar.codegen.fusion`).
 
     ``enabled=None`` turns fusion on when CUDA is available or ``TRITON_INTERPRET=1`` is forced; when off, ``gm``
     itself is returned.  The copy shares ``gm``'s parameters and submodules; ``gm`` is not modified.

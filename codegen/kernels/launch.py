@@ -13,8 +13,8 @@ import os
 import torch
 import triton
 
-from codegen.kernels.cache import load_kernels
-from codegen.triton_gen import FLAT_BLOCK, KernelSpec
+from autopar.codegen.kernels.cache import load_kernels
+from autopar.codegen.triton_gen import FLAT_BLOCK, KernelSpec
 
 __all__ = ["bias_act_fwd", "swiglu_fwd", "dropout_fwd", "norm_fwd", "norm_bwd", "softmax_fwd", "softmax_bwd",
            "row_block", "interpreting"]

@@ -5,7 +5,8 @@ the caller's model is never touched and nothing is allocated), sharded (tp DTens
 ``Module.to_empty`` and then filled shard by shard:
 
 * ``init="copy"``: from the caller's model tensors (each rank copies only its local slices).
-* ``init="seed"``: every parameter is generated exactly as ``examples.zoo`` initializes a model built with
+* ``init=<initializer>`` (e.g. ``autopar.zoo.init_weights``): every parameter is generated exactly as the
+  initializer would on a full model built with
   ``device="cpu", seed=seed`` (the zoo's ``init_weights`` rules and generator stream).  The stream is replayed one
   module at a time: the full tensor of *one* parameter exists at a time (a generator draw cannot be skipped), its
   local shard is kept and the rest is freed, so the full model is never materialized on a rank.  Peak extra memory is
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["meta_clone", "alias_names", "seed_stream", "copy_stream", "copy_into", "LocalSlot", "fill_slot"]
+__all__ = ["Initializer", "meta_clone", "alias_names", "seed_stream", "copy_stream", "copy_into", "LocalSlot", "fill_slot"]
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def copy_stream(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 class _ModuleStream:
-    """Duck-typed stand-in for a model in ``examples.zoo._init.init_weights``: ``modules()`` yields real, childless
+    """Duck-typed stand-in for a model in ``autopar.zoo._init.init_weights``: ``modules()`` yields real, childless
     copies of the meta model's modules one at a time and reports each (initialized) copy to ``emit`` once the
     initializer asks for the next one."""
 
@@ -105,13 +106,17 @@ class _ModuleStream:
             self.emit(path, real)
 
 
-def seed_stream(meta_model: nn.Module, seed: int, consume: Callable[[str, torch.Tensor], None]) -> None:
-    """Call ``consume(fqn, tensor)`` for every parameter and buffer, initialized as ``examples.zoo.build(...,
-    device="cpu", seed=seed)`` would; tensors are produced (and can be freed) one module at a time.
+Initializer = Callable[[nn.Module, int], None]
+"""``init(model, seed)`` fills a model's parameters deterministically from ``seed``, visiting them only through
+``model.modules()`` (e.g. ``autopar.zoo.init_weights``), so it can run on a stream of one module at a time."""
+
+
+def seed_stream(meta_model: nn.Module, seed: int, consume: Callable[[str, torch.Tensor], None],
+                init_weights: Initializer) -> None:
+    """Call ``consume(fqn, tensor)`` for every parameter and buffer, initialized as ``init_weights(model, seed)``
+    would on a real copy of ``meta_model``; tensors are produced (and can be freed) one module at a time.
 
     Aliases (tied weights) are reported under each of their names."""
-    from examples.zoo._init import init_weights
-
     aliases: dict[int, list[str]] = {}
     for name, t in meta_model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(t), []).append(name)
@@ -165,7 +170,7 @@ def fill_slot(slot: LocalSlot, full: torch.Tensor, tp_rank: int) -> None:
 
     Order of cuts = order in which the program sharded it: chunk-interleave (fused projections), the tp placement
     (``Shard(d)``: the tp_rank-th ``torch.chunk``), then FSDP2's dim-0 ``torch.chunk`` over dp."""
-    from codegen.runtime.tensor_parallel import permute_chunks
+    from autopar.codegen.runtime.tensor_parallel import permute_chunks
 
     t = slot.tensor
     if slot.chunks > 1:

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-import ir
+from autopar import ir
 
 __all__ = ["build_mesh", "default_device", "MESH_DIMS"]
 
@@ -29,7 +29,7 @@ def build_mesh(plan: ir.Plan, device: torch.device) -> DeviceMesh:
     """A 3-D mesh ``(pp, dp, tp)`` over the initialized default process group.
 
     ``init_device_mesh`` lays ranks out row-major, so rank = (pp_i * dp + dp_i) * tp + tp_i, exactly
-    :meth:`ir.MeshPlan.rank`: a tp group is consecutive ranks."""
+    :meth:`autopar.ir.MeshPlan.rank`: a tp group is consecutive ranks."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: run under torchrun (or call "
                            "dist.init_process_group) before building a parallel program")

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-import ir
+from autopar import ir
 
 __all__ = ["local_stage_indices", "build_schedule"]
 

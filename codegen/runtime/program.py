@@ -2,12 +2,12 @@
 
 Build order (every rank, inside an initialized process group):
 
-1. the mesh ``(pp, dp, tp)`` (:mod:`codegen.runtime.mesh`);
+1. the mesh ``(pp, dp, tp)`` (:mod:`autopar.codegen.runtime.mesh`);
 2. a meta clone of the model (the caller's model is never mutated), cut into layer-group fx modules and chained into
-   this rank's pipeline stages (:mod:`codegen.runtime.split`, :mod:`codegen.runtime.pipeline`);
-3. tensor parallelism: plan placements on parameters and activations (:mod:`codegen.runtime.tensor_parallel`);
-4. the dp axis: FSDP2 for ZeRO >= 1, or gradient all-reduce for ZeRO 0 (:mod:`codegen.runtime.data_parallel`);
-5. ``to_empty`` and per-shard loading (:mod:`codegen.runtime.init`).
+   this rank's pipeline stages (:mod:`autopar.codegen.runtime.split`, :mod:`autopar.codegen.runtime.pipeline`);
+3. tensor parallelism: plan placements on parameters and activations (:mod:`autopar.codegen.runtime.tensor_parallel`);
+4. the dp axis: FSDP2 for ZeRO >= 1, or gradient all-reduce for ZeRO 0 (:mod:`autopar.codegen.runtime.data_parallel`);
+5. ``to_empty`` and per-shard loading (:mod:`autopar.codegen.runtime.init`).
 
 Batch semantics: :meth:`ParallelProgram.step` takes the *global* batch (the same tensors on every rank);
 dp replica i uses rows ``[i*B/dp, (i+1)*B/dp)``, split into ``plan.num_microbatches`` micro-batches.  The loss is the
@@ -31,14 +31,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-import ir
-from codegen.fusion import fuse_graph_module
-from codegen.runtime import data_parallel as dpm
-from codegen.runtime.init import LocalSlot, alias_names, copy_into, fill_slot, meta_clone, seed_stream
-from codegen.runtime.mesh import build_mesh, default_device
-from codegen.runtime.pipeline import build_schedule, local_stage_indices
-from codegen.runtime.split import SplitModel, StageModule, split_model
-from codegen.runtime.tensor_parallel import (expand_op_shardings, implicit_replication, parse_placement,
+from autopar import ir
+from autopar.codegen.fusion import fuse_graph_module
+from autopar.codegen.runtime import data_parallel as dpm
+from autopar.codegen.runtime.init import Initializer, LocalSlot, alias_names, copy_into, fill_slot, meta_clone, seed_stream
+from autopar.codegen.runtime.mesh import build_mesh, default_device
+from autopar.codegen.runtime.pipeline import build_schedule, local_stage_indices
+from autopar.codegen.runtime.split import SplitModel, StageModule, split_model
+from autopar.codegen.runtime.tensor_parallel import (expand_op_shardings, implicit_replication, dtensor_placement,
                                              plan_param_placement, rewrite_group, to_dtensor, to_local_replicated,
                                              unpermute_chunks)
 
@@ -123,7 +123,7 @@ class ParallelProgram:
     @property
     def chunks(self) -> dict[str, int]:
         """Parameter FQN -> number of chunks it is stored interleaved in (fused projections under tensor
-        parallelism, e.g. 3 for GPT's qkv: :func:`codegen.runtime.tensor_parallel.permute_chunks`); parameters
+        parallelism, e.g. 3 for GPT's qkv: :func:`autopar.codegen.runtime.tensor_parallel.permute_chunks`); parameters
         stored in the model's layout are absent (1).  A copy: the layout is fixed when the program is built."""
         return dict(self._chunks)
 
@@ -231,21 +231,26 @@ class ParallelProgram:
 
 def build_program(plan: ir.Plan, model: Any, *, loss_fn: Loss | None = None,
                   example_inputs: Sequence[torch.Tensor] | None = None, graph: ir.Graph | None = None,
-                  device: torch.device | str | None = None, init: Literal["copy", "seed"] = "copy",
+                  device: torch.device | str | None = None, init: Literal["copy"] | Initializer = "copy",
                   seed: int = 0) -> ParallelProgram:
     """Build this rank's program for ``plan`` (call on every rank, inside an initialized process group).
 
-    ``model`` is an ``nn.Module`` (real weights for ``init="copy"``, any device incl. meta for ``init="seed"``) or an
-    ``examples.zoo.ModelSpec`` (whose ``loss_fn`` and ``example_inputs`` are the defaults).  ``graph`` is the traced
-    ``ir.Graph`` the plan was made for; traced here with the fx front end when omitted."""
+    ``model`` is an ``nn.Module`` or an
+    ``autopar.zoo.ModelSpec`` (whose ``loss_fn`` and ``example_inputs`` are the defaults).  ``graph`` is the traced
+    ``autopar.ir.Graph`` the plan was made for; traced here with the fx front end when omitted.
+
+    ``init="copy"`` copies each rank's shards from the model's real weights; an :data:`Initializer` (such as
+    ``autopar.zoo.init_weights``) instead generates them from ``seed`` one module at a time, so ``model`` may be on
+    the meta device."""
     if hasattr(model, "model") and hasattr(model, "example_inputs"):
         loss_fn = loss_fn or model.loss_fn
         example_inputs = example_inputs if example_inputs is not None else model.example_inputs
         model = model.model
     if loss_fn is None or example_inputs is None:
         raise ValueError("build_program needs loss_fn and example_inputs (or a ModelSpec that carries them)")
-    if init not in ("copy", "seed"):
-        raise ValueError(f"init must be 'copy' or 'seed', got {init!r}")
+    if init != "copy" and not callable(init):
+        raise ValueError(f"init must be 'copy' or an initializer function (e.g. autopar.zoo.init_weights), got "
+                         f"{init!r}")
     dev = torch.device(device) if device is not None else default_device()
     mesh = build_mesh(plan, dev)
     meta = meta_clone(model)
@@ -315,7 +320,7 @@ def _make_stages(plan: ir.Plan, graph: ir.Graph, split: SplitModel, indices: lis
 
 
 def _fuse(groups: list[fx.GraphModule], plan: ir.Plan, tp_mesh: DeviceMesh | None) -> list[fx.GraphModule]:
-    """The groups rewritten to call the generated fused kernels (:func:`codegen.fusion.fuse_graph_module`) when
+    """The groups rewritten to call the generated fused kernels (:func:`autopar.codegen.fusion.fuse_graph_module`) when
     ``plan.fused_kernels`` is set: on when CUDA is available or ``TRITON_INTERPRET=1`` is forced, else eager.
 
     Stages under tensor parallelism (tp > 1) are *not* fused: their activations are DTensors, which the kernels do
@@ -337,7 +342,7 @@ def _distribute_params(stages: list[StageModule], mesh: DeviceMesh, plan: ir.Pla
                 if id(p) not in new:
                     fqn = canon.get(_strip(f"{mname}.{k}"), _strip(f"{mname}.{k}"))
                     names = {a for a, c in canon.items() if c == fqn} | {fqn}
-                    pl = parse_placement(plan_param_placement(plan, names))
+                    pl = dtensor_placement(plan_param_placement(plan, names))
                     shape, _ = compute_local_shape_and_global_offset(p.shape, mesh, [pl])
                     local = torch.empty(shape, dtype=p.dtype, device="meta")
                     dt = DTensor.from_local(local, mesh, [pl], run_check=False, shape=p.shape, stride=p.stride())
@@ -357,7 +362,7 @@ def _to_empty_keep_ties(module: nn.Module, device: torch.device) -> None:
         m._parameters[k] = first.setdefault(old, p)
 
 
-def _load(stages: list[StageModule], model: nn.Module, init: str, seed: int, canon: dict[str, str],
+def _load(stages: list[StageModule], model: nn.Module, init: Literal["copy"] | Initializer, seed: int, canon: dict[str, str],
           chunks: dict[str, int], plan: ir.Plan, fsdp: bool, dp_rank: int, tp_rank: int) -> None:
     slots: dict[str, dict[int, LocalSlot]] = {}
     for s in stages:
@@ -378,10 +383,10 @@ def _load(stages: list[StageModule], model: nn.Module, init: str, seed: int, can
     if init == "copy":
         copy_into(model, consume)
     else:
-        seed_stream(meta_clone(model), seed, consume)
+        seed_stream(meta_clone(model), seed, consume, init)
     missing = [f for f, d in slots.items() if any(k not in filled for k in d)]
     if missing:
-        raise ValueError(f"no value for {missing[:5]} in the source model (init={init!r})")
+        raise ValueError(f"no value for {missing[:5]} in the source model (init={getattr(init, '__name__', init)!r})")
 
 
 def _tie_groups(plan: ir.Plan, split: SplitModel, aliases: dict[str, list[str]]) -> dict[str, dist.ProcessGroup]:

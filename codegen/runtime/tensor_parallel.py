@@ -1,8 +1,8 @@
 """Tensor parallelism on the ``tp`` mesh axis with DTensor, driven by the plan's shardings.
 
-What is done to the layer-group fx modules of a stage (see :mod:`codegen.runtime.split`):
+What is done to the layer-group fx modules of a stage (see :mod:`autopar.codegen.runtime.split`):
 
-* Parameters become DTensors with the plan's placement (:meth:`ir.Plan.placement_of`): ``S(0)`` on a Linear weight is
+* Parameters become DTensors with the plan's placement (:meth:`autopar.ir.Plan.placement_of`): ``S(0)`` on a Linear weight is
   column parallel, ``S(1)`` row parallel, ``S(0)`` on an Embedding weight vocabulary parallel, ``R`` replicated.
   Activations stay DTensors inside a stage, so DTensor's sharding propagation inserts the collectives the placements
   imply (the all-reduce of a row-parallel output, the masked-partial reduction of a vocabulary-parallel lookup), and
@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -38,39 +37,30 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.utils.checkpoint import checkpoint
 
-import ir
+from autopar import ir
 
-__all__ = ["implicit_replication", "parse_placement", "param_layout", "plan_param_placement", "Place", "LocalView", "HeadSDPA", "expand_op_shardings", "rewrite_group",
+__all__ = ["implicit_replication", "dtensor_placement", "param_layout", "plan_param_placement", "Place", "LocalView", "HeadSDPA", "expand_op_shardings", "rewrite_group",
            "permute_chunks", "unpermute_chunks", "to_dtensor", "to_local_replicated"]
 
 log = logging.getLogger(__name__)
 
 
-_PLACEMENT = re.compile(r"^S\((\d+)\)(?:\[(\d+)\])?$")
-
-
-def parse_placement(s: str) -> Placement:
-    """``R`` / ``P`` / ``S(d)`` -> the DTensor placement (an interleaved ``S(d)[k]`` is ``Shard(d)`` of the
-    chunk-interleaved layout, see :func:`param_layout`)."""
-    return param_layout(s)[0] if s.startswith("S(") else _parse_simple(s)
-
-
-def _parse_simple(s: str) -> Placement:
-    if s == "R":
-        return Replicate()
-    if s == "P":
-        return Partial()
-    raise ValueError(f"unknown placement {s!r} (expected R, P, S(d) or S(d)[k])")
+def dtensor_placement(s: str) -> Placement:
+    """A plan placement (``R`` / ``P`` / ``S(d)`` / ``S(d)[k]``) -> its DTensor placement (an interleaved
+    ``S(d)[k]`` is ``Shard(d)`` of the chunk-interleaved layout, see :func:`param_layout`)."""
+    return param_layout(s)[0]
 
 
 def param_layout(s: str) -> tuple[Placement, int]:
     """(DTensor placement, chunks) of a parameter placement: ``S(0)[3]`` is a fused projection of 3 chunks
     (q, k, v) each sharded on dim 0 — stored chunk-interleaved so ``Shard(0)`` gives every rank its slice of each
     chunk (:func:`permute_chunks`); ``R`` / ``S(d)`` have one chunk."""
-    m = _PLACEMENT.match(s)
-    if m is None:
-        return _parse_simple(s), 1
-    return Shard(int(m.group(1))), int(m.group(2) or 1)
+    p = ir.Placement.parse(s)
+    if p.kind == "R":
+        return Replicate(), 1
+    if p.kind == "P":
+        return Partial(), 1
+    return Shard(p.dim), p.chunks
 
 
 def plan_param_placement(plan: ir.Plan, names: Iterable[str]) -> str:
@@ -126,7 +116,7 @@ class Place(nn.Module):
     def __init__(self, mesh: DeviceMesh, placement: str) -> None:
         super().__init__()
         self.mesh = mesh
-        self.placement = parse_placement(placement)
+        self.placement = dtensor_placement(placement)
 
     def forward(self, x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
@@ -273,7 +263,7 @@ def rewrite_group(gm: fx.GraphModule, graph: ir.Graph, plan: ir.Plan, mesh: Devi
                   placement_of: Callable[[str], str] | None = None) -> dict[str, int]:
     """Insert placements, local fused views and DTensor attention into one group module, in place.
 
-    ``placement_of(fqn)`` is the plan's placement of a parameter (default :meth:`ir.Plan.placement_of`; the program
+    ``placement_of(fqn)`` is the plan's placement of a parameter (default :meth:`autopar.ir.Plan.placement_of`; the program
     passes one that resolves tied names).  Returns ``{param fqn: chunks}`` for parameters stored chunk-interleaved
     (fused projections)."""
     placement_of = placement_of or plan.placement_of

@@ -1,0 +1,113 @@
+"""Launch a plan with torchrun on this machine: ``run_plan(plan.yaml, model, steps)`` (``autopar run`` calls it).
+
+Multi-node runs pass torchrun's rendezvous options through ``extra_torchrun_args`` (``--nnodes 2 --node-rank 0
+--rdzv-backend c10d --rdzv-endpoint host:29500``); ``nproc`` defaults to the plan's devices per node.
+
+Fault tolerance: with ``max_restarts > 0`` torchrun restarts the whole worker group when a rank dies, and the
+workers (given a checkpoint directory) resume from the latest checkpoint; see :mod:`autopar.planner.run.worker`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from autopar import ir
+
+__all__ = ["torchrun_command", "run_plan", "check_checkpoint_dir"]
+
+log = logging.getLogger(__name__)
+
+
+def torchrun_command(plan_path: str | Path, model_name: str, steps: int, nproc: int | None = None,
+                     extra_torchrun_args: Sequence[str] = (), worker_args: Sequence[str] = (),
+                     max_restarts: int = 0) -> list[str]:
+    """The torchrun command line that runs ``autopar.planner.run.worker`` for the plan.
+
+    ``max_restarts``: how often torchrun restarts the worker group after a rank fails (``--max-restarts``)."""
+    plan = ir.load_plan(plan_path)
+    n = nproc if nproc is not None else plan.devices_per_node
+    if n < 1:
+        raise ValueError(f"nproc must be >= 1, got {n}")
+    if max_restarts < 0:
+        raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+    extra = list(extra_torchrun_args)
+    if not any(a.startswith("--nnodes") for a in extra) and n != plan.world_size:
+        raise ValueError(f"the plan needs {plan.world_size} processes but one node would start {n}; pass "
+                         "--nnodes/--rdzv options for a multi-node run or re-plan for this machine")
+    if not any(a.startswith(("--rdzv", "--master-port", "--master_port")) for a in extra):
+        extra = ["--standalone", *extra]
+    if max_restarts and not any(a.startswith(("--max-restarts", "--max_restarts")) for a in extra):
+        extra = ["--max-restarts", str(max_restarts), *extra]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), *extra,
+            "-m", "autopar.planner.run.worker", str(plan_path), "--model", model_name, "--steps", str(steps),
+            *worker_args]
+
+
+def check_checkpoint_dir(directory: str | Path, resume: bool) -> int | None:
+    """Refuse a launch that would mix runs in one checkpoint directory; returns the step a ``resume`` starts from.
+
+    Without ``resume`` the directory must hold no checkpoint (a fresh run would overwrite it); with ``resume`` it
+    must hold one."""
+    from autopar.codegen.checkpoint import latest_checkpoint
+
+    found = latest_checkpoint(directory)
+    if resume and found is None:
+        raise FileNotFoundError(f"--resume: no checkpoint in {directory} (expected step_* directories and a 'latest' "
+                                "marker written by `autopar run --checkpoint-dir`); drop --resume to start fresh")
+    if not resume and found is not None:
+        raise ValueError(f"{directory} already holds a checkpoint (step {found[1]}); pass --resume to continue "
+                         "from it, or choose an empty --checkpoint-dir")
+    return found[1] if found else None
+
+
+def run_plan(plan_path: str | Path, model_name: str, steps: int, nproc: int | None = None,
+             extra_torchrun_args: Sequence[str] = (), worker_args: Sequence[str] = (),
+             timeout_s: float | None = None, max_restarts: int = 0) -> int:
+    """Run the plan under torchrun (gloo on CPU, nccl on CUDA) and return torchrun's exit code.
+
+    The workers log loss and step time per step and, at the end, measured vs predicted step time per stage.
+    torchrun runs in its own process group; past ``timeout_s`` (raises ``TimeoutError``) or on Ctrl-C that whole
+    group (torchrun and every worker, restarted ones included) is terminated."""
+    cmd = torchrun_command(plan_path, model_name, steps, nproc, extra_torchrun_args, worker_args, max_restarts)
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    if not torch.cuda.is_available():
+        # gloo: connect process pairs on first use.  Eagerly connecting the full mesh fails intermittently
+        # ("connectFullMesh ... Connection refused") or hangs when torchrun restarts the group after a failure.
+        env.setdefault("TORCH_GLOO_LAZY_INIT", "1")
+    log.info("launching: %s", " ".join(cmd))
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _stop_group(proc)
+        raise TimeoutError(f"torchrun did not finish within {timeout_s} s; stopped it and its workers") from None
+    except BaseException:
+        _stop_group(proc)
+        raise
+
+
+def _stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM torchrun's process group (torchrun forwards it to its workers), then SIGKILL whatever is left."""
+    _killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=10.0)
+    except subprocess.TimeoutExpired:
+        pass
+    _killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _killpg(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass

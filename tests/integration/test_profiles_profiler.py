@@ -1,0 +1,34 @@
+"""The profiler, end to end on CPU: a quick 2-rank gloo run on tiny sizes, loaded back by the schema validator."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autopar.profiles import CostModel, load_profile
+from autopar.profiles.profiler import default_message_sizes, run_profile_command
+
+
+def test_default_message_sizes() -> None:
+    full = default_message_sizes(quick=False)
+    assert full[0] == 1024 and full[-1] == 64 * 2**20
+    assert default_message_sizes(quick=True)[-1] <= 2**20
+
+
+@pytest.mark.slow
+def test_quick_profile_two_ranks(tmp_path) -> None:
+    torch.set_num_threads(1)
+    out = tmp_path / "machine.yaml"
+    run_profile_command(
+        out, ranks=2, quick=True, progress=False, threads_per_rank=1, matmul_sizes=(32, 64, 128),
+        message_sizes=(1024, 16384, 262144), repeats=3, warmup=1, backend="gloo",
+    )
+    prof = load_profile(out)
+    assert (prof.nodes, prof.devices_per_node) == (1, 2)
+    assert set(prof.links) == {"intra_node"}
+    assert {"float32", "bfloat16"} <= set(prof.device.peak_flops)
+    cm = CostModel(prof)
+    assert cm.collective_time("all_reduce", 2**20, 2) > cm.collective_time("all_reduce", 2**10, 2) > 0
+    assert cm.matmul_time(m=128, n=128, k=128) > 0
+    with pytest.raises(ValueError, match="inter_node"):
+        cm.p2p_time(1024, intra_node=False)

@@ -1,0 +1,267 @@
+"""The model-zoo registry: ``build(name, ...) -> ModelSpec`` and ``list_models()``.
+
+Sizes are hard-coded here with the paper each one comes from. ``build`` also accepts ``"package.module:factory"``
+for user models: the factory is called with whichever of ``batch``, ``device``, ``dtype``, ``seq``, ``seed`` it
+accepts and may return a ``ModelSpec``, an ``nn.Module`` (inputs then come from its ``example_inputs(batch,
+device)`` method if it has one) or a ``(module, example_inputs)`` pair.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autopar.zoo._init import materialize
+from autopar.zoo.gpt import GPT, GPTConfig
+from autopar.zoo.llama import Llama, LlamaConfig
+from autopar.zoo.mlp import MLPConfig, MLPModel
+from autopar.zoo.moe import MoEConfig, MoEGPT
+from autopar.zoo.wrn import WideResNet, WRNConfig
+
+__all__ = ["ModelSpec", "Family", "build", "list_models", "get_config", "lm_loss", "classification_loss",
+           "regression_loss"]
+
+Family = Literal["gpt", "llama", "moe", "wrn", "mlp", "custom"]
+ZooConfig = GPTConfig | LlamaConfig | MoEConfig | WRNConfig | MLPConfig
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelSpec:
+    """A built model with everything needed to trace and train it.
+
+    name: registry name (or the ``module:factory`` string).
+    family: "gpt" | "llama" | "moe" | "wrn" | "mlp", or "custom" for user factories.
+    model: the module, on the requested device and dtype.
+    example_inputs: positional inputs for ``model(*example_inputs)``, on the same device.
+    loss_fn: ``loss_fn(output, target) -> scalar``; cross entropy for LMs and WRN, MSE for the MLP.
+    make_target: ``make_target(batch, device) -> target`` matching ``loss_fn``; None when unknown (custom models).
+    example_target: ``make_target(batch, device)`` for the built batch; None when unknown.
+    config: the frozen family config (None for custom models).
+    batch: the batch size the example inputs were built for.
+    """
+
+    name: str
+    family: Family
+    model: nn.Module
+    example_inputs: tuple[torch.Tensor, ...]
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    make_target: Callable[[int, torch.device | str], torch.Tensor] | None = None
+    example_target: torch.Tensor | None = None
+    config: Any = None
+    batch: int = 1
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Sizes
+# ---------------------------------------------------------------------------------------------------------------------
+def _gpt(layers: int, hidden: int, heads: int, seq: int, vocab: int) -> GPTConfig:
+    return GPTConfig(layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=vocab)
+
+
+_GPT2_V, _GPT3_V, _SC21_V = 50257, 50257, 51200
+_CONFIGS: dict[str, tuple[Family, ZooConfig]] = {
+    # GPT-2: Radford et al. 2019, "Language Models are Unsupervised Multitask Learners", Table 2 (context 1024).
+    "gpt2-small": ("gpt", _gpt(12, 768, 12, 1024, _GPT2_V)),
+    "gpt2-medium": ("gpt", _gpt(24, 1024, 16, 1024, _GPT2_V)),
+    "gpt2-large": ("gpt", _gpt(36, 1280, 20, 1024, _GPT2_V)),
+    "gpt2-xl": ("gpt", _gpt(48, 1600, 25, 1024, _GPT2_V)),
+    # GPT-3: Brown et al. 2020, "Language Models are Few-Shot Learners", Table 2.1 (n_ctx 2048).
+    # Two printed values are not self-consistent and are fixed to d_head 128 as in the table's d_head column:
+    # GPT-3 XL lists 24 heads with d_model 2048 (-> 16 heads), GPT-3 13B lists d_model 5140 with 40 heads (-> 5120).
+    "gpt3-1.3b": ("gpt", _gpt(24, 2048, 16, 2048, _GPT3_V)),
+    "gpt3-2.7b": ("gpt", _gpt(32, 2560, 32, 2048, _GPT3_V)),
+    "gpt3-6.7b": ("gpt", _gpt(32, 4096, 32, 2048, _GPT3_V)),
+    "gpt3-13b": ("gpt", _gpt(40, 5120, 40, 2048, _GPT3_V)),
+    "gpt3-175b": ("gpt", _gpt(96, 12288, 96, 2048, _GPT3_V)),
+    # Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"
+    # (SC'21), Table 1: seq 2048, vocab 51200. Names carry the paper's parameter counts.
+    "megatron-1.7b": ("gpt", _gpt(24, 2304, 24, 2048, _SC21_V)),
+    "megatron-3.6b": ("gpt", _gpt(30, 3072, 32, 2048, _SC21_V)),
+    "megatron-7.5b": ("gpt", _gpt(36, 4096, 32, 2048, _SC21_V)),
+    "megatron-18.4b": ("gpt", _gpt(40, 6144, 48, 2048, _SC21_V)),
+    "megatron-39.1b": ("gpt", _gpt(48, 8192, 64, 2048, _SC21_V)),
+    "megatron-76.1b": ("gpt", _gpt(60, 10240, 80, 2048, _SC21_V)),
+    "megatron-145.6b": ("gpt", _gpt(80, 12288, 96, 2048, _SC21_V)),
+    "megatron-310.1b": ("gpt", _gpt(96, 16384, 128, 2048, _SC21_V)),
+    "megatron-529.6b": ("gpt", _gpt(105, 20480, 128, 2048, _SC21_V)),
+    "megatron-1008b": ("gpt", _gpt(128, 25600, 160, 2048, _SC21_V)),
+    "gpt-tiny": ("gpt", _gpt(2, 64, 4, 32, 128)),
+    # Llama 3: Grattafiori et al. 2024, "The Llama 3 Herd of Models", Table 3 (vocab 128256, RoPE theta 500000,
+    # pre-training context 8192).
+    "llama3-8b": ("llama", LlamaConfig(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256,
+                                       seq=8192)),
+    "llama3-70b": ("llama", LlamaConfig(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256,
+                                        seq=8192)),
+    "llama3-405b": ("llama", LlamaConfig(layers=126, hidden=16384, heads=128, kv_heads=8, ffn=53248,
+                                         vocab=128256, seq=8192)),
+    "llama-tiny": ("llama", LlamaConfig(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=128, seq=32)),
+    # Top-2 MoE (GShard/Mixtral-style routing): 8 experts on a GPT-3 XL (1.3B) backbone, ~7.0B params in total.
+    "moe-8x1b": ("moe", MoEConfig(layers=24, hidden=2048, heads=16, seq=2048, vocab=_GPT3_V, experts=8)),
+    "moe-tiny": ("moe", MoEConfig(layers=2, hidden=64, heads=4, seq=32, vocab=128, experts=4)),
+    # Wide-ResNet: Zagoruyko & Komodakis 2016, WRN-50-2 / WRN-101-2 (ImageNet, 224x224).
+    "wrn-50-2": ("wrn", WRNConfig(blocks=(3, 4, 6, 3))),
+    "wrn-101-2": ("wrn", WRNConfig(blocks=(3, 4, 23, 3))),
+    "wrn-tiny": ("wrn", WRNConfig(blocks=(1, 1, 1, 1), base=8, classes=10, image=32)),
+    "mlp-tiny": ("mlp", MLPConfig(layers=2, hidden=64, in_features=32, out_features=16)),
+    "mlp-large": ("mlp", MLPConfig(layers=8, hidden=8192, in_features=8192, out_features=8192)),
+}
+
+_CONSTRUCTORS: dict[str, Callable[[Any], nn.Module]] = {
+    "gpt": GPT, "llama": Llama, "moe": MoEGPT, "wrn": WideResNet, "mlp": MLPModel,
+}
+
+
+def list_models() -> list[str]:
+    """Names of the built-in models, in registry order."""
+    return list(_CONFIGS)
+
+
+def _unknown(name: str) -> ValueError:
+    close = difflib.get_close_matches(name, list(_CONFIGS), n=3, cutoff=0.5)
+    hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
+    return ValueError(f"unknown model {name!r}{hint}; built-in models: {', '.join(_CONFIGS)}, "
+                      f"or give 'package.module:factory'")
+
+
+def get_config(name: str) -> ZooConfig:
+    """The frozen config of a built-in model, without building it."""
+    if name not in _CONFIGS:
+        raise _unknown(name)
+    return _CONFIGS[name][1]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Inputs, targets, losses
+# ---------------------------------------------------------------------------------------------------------------------
+def _randint(high: int, shape: tuple[int, ...], device: torch.device | str, seed: int) -> torch.Tensor:
+    device = torch.device(device)
+    if device.type == "meta":
+        return torch.empty(shape, dtype=torch.long, device=device)
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, high, shape, generator=gen).to(device)
+
+
+def _randn(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, seed: int) -> torch.Tensor:
+    device = torch.device(device)
+    if device.type == "meta":
+        return torch.empty(shape, dtype=dtype, device=device)
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+
+
+def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Token-level cross entropy: logits [B, s, V], target [B, s]."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+
+
+def classification_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross entropy: logits [B, C], target [B]."""
+    return F.cross_entropy(logits.float(), target)
+
+
+def regression_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean squared error."""
+    return F.mse_loss(output.float(), target.float())
+
+
+def _io(family: Family, cfg: Any, batch: int, device: torch.device | str, dtype: torch.dtype, seed: int) -> tuple[
+        tuple[torch.Tensor, ...], Callable[[int, torch.device | str], torch.Tensor],
+        Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+    """(example_inputs, make_target, loss_fn) for a built-in family."""
+    if family in ("gpt", "llama", "moe"):
+        inputs = (_randint(cfg.vocab, (batch, cfg.seq), device, seed),)
+        return inputs, lambda b, d: _randint(cfg.vocab, (b, cfg.seq), d, seed + 1), lm_loss
+    if family == "wrn":
+        inputs = (_randn((batch, cfg.channels, cfg.image, cfg.image), dtype, device, seed),)
+        return inputs, lambda b, d: _randint(cfg.classes, (b,), d, seed + 1), classification_loss
+    inputs = (_randn((batch, cfg.in_features), dtype, device, seed),)
+    return inputs, lambda b, d: _randn((b, cfg.out_features), dtype, d, seed + 1), regression_loss
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# build
+# ---------------------------------------------------------------------------------------------------------------------
+def build(name: str, *, batch: int = 8, device: torch.device | str = "meta", dtype: torch.dtype = torch.float32,
+          seq: int | None = None, seed: int = 0) -> ModelSpec:
+    """Build a zoo model (or a user ``"package.module:factory"`` model) with example inputs, target and loss.
+
+    ``device="meta"`` (the default) allocates nothing, so any size builds instantly; on a real device the weights
+    are initialized deterministically from ``seed``. ``seq`` overrides the sequence length of language models (the
+    position-embedding / RoPE table size and the example input length); None keeps the model's default.
+    """
+    if batch <= 0:
+        raise ValueError(f"batch must be positive, got {batch}")
+    if ":" in name:
+        return _build_custom(name, batch=batch, device=device, dtype=dtype, seq=seq, seed=seed)
+    if name not in _CONFIGS:
+        raise _unknown(name)
+    family, cfg = _CONFIGS[name]
+    if seq is not None:
+        if family not in ("gpt", "llama", "moe"):
+            raise ValueError(f"seq does not apply to {family!r} model {name!r}; leave it unset")
+        cfg = dataclasses.replace(cfg, seq=seq)
+    ctor = _CONSTRUCTORS[family]
+    model = materialize(lambda: ctor(cfg), device=device, dtype=dtype, seed=seed)
+    inputs, make_target, loss_fn = _io(family, cfg, batch, device, dtype, seed)
+    return ModelSpec(name=name, family=family, model=model, example_inputs=inputs, loss_fn=loss_fn,
+                     make_target=make_target, example_target=make_target(batch, device), config=cfg, batch=batch)
+
+
+def _load_factory(ref: str) -> Callable[..., Any]:
+    module_name, _, attr = ref.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"model {ref!r} must look like 'package.module:factory'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"cannot import module {module_name!r} for model {ref!r}: {exc}; check the name and that "
+                         "its directory is on PYTHONPATH") from exc
+    except Exception as exc:  # noqa: BLE001 - the user's module failed while importing: say so in one line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ValueError(f"importing module {module_name!r} for model {ref!r} failed: {type(exc).__name__}: "
+                         f"{first}") from exc
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"module {module_name!r} has no attribute {attr!r} (model {ref!r})")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"{ref!r} is not callable")
+    return obj
+
+
+def _build_custom(ref: str, *, batch: int, device: torch.device | str, dtype: torch.dtype, seq: int | None,
+                  seed: int) -> ModelSpec:
+    factory = _load_factory(ref)
+    offered: dict[str, Any] = {"batch": batch, "device": device, "dtype": dtype, "seq": seq, "seed": seed}
+    params = inspect.signature(factory).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        kwargs = offered
+    else:
+        kwargs = {k: v for k, v in offered.items() if k in params}
+    result = factory(**kwargs)
+    if isinstance(result, ModelSpec):
+        return result
+    inputs: tuple[torch.Tensor, ...] = ()
+    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module):
+        result, raw = result
+        inputs = tuple(raw) if isinstance(raw, (tuple, list)) else (raw,)
+    if not isinstance(result, nn.Module):
+        raise ValueError(f"factory {ref!r} returned {type(result).__name__}; expected an nn.Module, "
+                         f"a (module, example_inputs) pair or a ModelSpec")
+    model = result.to(device=device, dtype=dtype)
+    if not inputs and callable(getattr(model, "example_inputs", None)):
+        raw = model.example_inputs(batch, device)
+        inputs = tuple(raw) if isinstance(raw, (tuple, list)) else (raw,)
+    inputs = tuple(t.to(device) for t in inputs)
+    return ModelSpec(name=ref, family="custom", model=model, example_inputs=inputs, loss_fn=regression_loss,
+                     batch=batch)
