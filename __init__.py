@@ -31,13 +31,13 @@ _LAZY = {
 
 __all__ = ["__version__", *_LAZY]
 
-if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from autopar.ir.plan import Plan, load_plan
-    from autopar.ir.trace import TensorSpec, trace
-    from autopar.planner.api import AutoParallel, auto_parallel, plan
-    from autopar.planner.options import PlanOptions
-    from autopar.planner.search import PlanInfeasibleError, search
-    from autopar.profiles.builtin import load_builtin
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only (names resolved lazily below)
+    from autopar.ir.plan import Plan, load_plan  # noqa: F401
+    from autopar.ir.trace import TensorSpec, trace  # noqa: F401
+    from autopar.planner.api import AutoParallel, auto_parallel, plan  # noqa: F401
+    from autopar.planner.options import PlanOptions  # noqa: F401
+    from autopar.planner.search import PlanInfeasibleError, search  # noqa: F401
+    from autopar.profiles.builtin import load_builtin  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

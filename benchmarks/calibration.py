@@ -15,16 +15,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from autopar.planner.calibration import (  # noqa: E402
-    DEFAULT_CASES, calibrate_case, check_iteration, fit_sustained_fraction, load_cases, load_published,
+from autopar.planner.calibration import (
+    DEFAULT_CASES,
+    calibrate_case,
+    check_iteration,
+    fit_sustained_fraction,
+    load_cases,
+    load_published,
 )
-from autopar.profiles.builtin import load_builtin  # noqa: E402
+from autopar.profiles.builtin import load_builtin
 
 
 def _desc(p) -> str:  # noqa: ANN001

@@ -19,12 +19,9 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -46,8 +43,17 @@ def _nbytes(*ts: torch.Tensor) -> int:
 
 
 def build_cases(dtype: torch.dtype) -> list[Case]:
-    from autopar.codegen.kernels import (eager_add_norm, eager_bias_act, eager_softmax, eager_swiglu, fused_add_norm,
-                                 fused_bias_act, fused_dropout, fused_softmax, fused_swiglu)
+    from autopar.codegen.kernels import (
+        eager_add_norm,
+        eager_bias_act,
+        eager_softmax,
+        eager_swiglu,
+        fused_add_norm,
+        fused_bias_act,
+        fused_dropout,
+        fused_softmax,
+        fused_swiglu,
+    )
 
     dev = "cuda"
 

@@ -11,19 +11,16 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-
-from autopar.profiles import CostModel, load_profile  # noqa: E402
-from autopar.profiles.profiler import free_port, run_profile_command, time_collective  # noqa: E402
+from autopar.profiles import CostModel, load_profile
+from autopar.profiles.profiler import free_port, run_profile_command, time_collective
 
 KIB = 1024
 UNSEEN_SIZES = (3 * KIB, 48 * KIB, 768 * KIB, 6 * KIB * KIB, 24 * KIB * KIB)  # fit used powers of 4 from 1 KiB

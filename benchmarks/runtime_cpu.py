@@ -2,11 +2,14 @@
 
     python benchmarks/runtime_cpu.py [--model gpt-tiny] [--steps 10] [--batch 8] [--seq 32] [--profile prof.yaml]
 
-Measures this machine with the quick profiler (``autopar.profiles.profiler``, ``world`` gloo ranks; or loads ``--profile``),
-then lets the planner (``autopar.planner.search.search``, float32) produce four plans of the traced model: its own pick and,
+Measures this machine with the quick profiler (``autopar.profiles.profiler``, ``world`` gloo ranks; or loads
+``--profile``),
+then lets the planner (``autopar.planner.search.search``, float32) produce four plans of the traced model: its own pick
+and,
 by pinning the mesh, pure DP (``pp=1 dp=W tp=1 zero=0``), pure TP (``tp=W``) and pure PP (``pp=W``), the rest of
 each pinned plan (micro-batching, schedule, shardings) chosen by the same search, so every plan carries the
-planner's predicted ``time.total``.  Each plan runs through ``autopar.planner.run.torchrun.run_plan`` (torchrun + worker);
+planner's predicted ``time.total``.  Each plan runs through ``autopar.planner.run.torchrun.run_plan`` (torchrun +
+worker);
 the median step time after warm-up (fastest of ``--rounds`` interleaved runs) is compared with the prediction, and
 the pick's measured time with the best measured (target: within 10%).
 """
@@ -20,16 +23,14 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from autopar import ir  # noqa: E402
-from autopar.planner.run.torchrun import run_plan  # noqa: E402
-from autopar.zoo import build  # noqa: E402
-from autopar.ir.plan import SolverReport  # noqa: E402
-from autopar.planner.options import PlanOptions  # noqa: E402
-from autopar.planner.search import search  # noqa: E402
-from autopar.profiles.profiler import run_profile_command  # noqa: E402
-from autopar.profiles.schema import ClusterProfile, load_profile  # noqa: E402
+from autopar import ir
+from autopar.ir.plan import SolverReport
+from autopar.planner.options import PlanOptions
+from autopar.planner.run.torchrun import run_plan
+from autopar.planner.search import search
+from autopar.profiles.profiler import run_profile_command
+from autopar.profiles.schema import ClusterProfile, load_profile
+from autopar.zoo import build
 
 
 def mesh_pins(world: int) -> dict[str, dict[str, int]]:

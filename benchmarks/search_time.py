@@ -7,17 +7,13 @@ cluster (8 .. 4096 devices).  Target: under 60 s each for the two headline cases
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from autopar import ir  # noqa: E402
-from autopar.zoo import build  # noqa: E402
-from autopar.planner.options import PlanOptions  # noqa: E402
-from autopar.planner.search import search  # noqa: E402
-from autopar.profiles.builtin import load_builtin  # noqa: E402
+from autopar import ir
+from autopar.planner.options import PlanOptions
+from autopar.planner.search import search
+from autopar.profiles.builtin import load_builtin
+from autopar.zoo import build
 
 
 def plan_once(model: str, cluster: str, nodes: int, global_batch: int) -> tuple[float, float, str]:

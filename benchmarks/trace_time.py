@@ -12,13 +12,9 @@ import argparse
 import json
 import subprocess
 import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = r"""
 import json, resource, sys, time
-sys.path.insert(0, {root!r})
 from autopar import ir
 from autopar.zoo import build
 t0 = time.perf_counter()
@@ -34,7 +30,7 @@ print(json.dumps(dict(build_s=t1 - t0, trace_s=t2 - t1, verify_s=time.perf_count
 
 
 def measure(name: str, frontend: str) -> dict:
-    code = CHILD.format(root=str(ROOT), name=name, frontend=frontend)
+    code = CHILD.format(name=name, frontend=frontend)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -1,1 +1,2 @@
-"""codegen: doing the plan -- the torch.distributed runtime (:mod:`autopar.codegen.runtime`) and fused Triton kernels."""
+"""codegen: doing the plan -- the torch.distributed runtime (:mod:`autopar.codegen.runtime`) and fused Triton
+kernels."""

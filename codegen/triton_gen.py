@@ -4,7 +4,9 @@ fusion-group kind.
 A :class:`KernelSpec` describes *what* a fused group computes, independent of node names and tensor sizes, so every
 identical group (the same fusion in each of a model's blocks) maps to one piece of source and one compiled kernel.
 :func:`generate_source` turns a spec into the text of a Python module; the text is deterministic (golden files
-pin it) and depends only on the spec.
+pin it) and depends only on the spec.  The groups themselves come from the IR's fusion analysis
+(:mod:`autopar.ir.passes.fuse`): :func:`spec_of` maps a group (or an fx pattern match) to its spec and
+:func:`render_kernels` lists the source of every distinct kernel of a graph.
 
 Kernel shapes (all masked, so any size works -- ragged rows and ``numel`` not a multiple of the block):
 
@@ -34,17 +36,22 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Iterable, Literal
 
-__all__ = ["KernelSpec", "generate_source", "source_hash", "FLAT_BLOCK", "ACTIVATIONS", "KINDS"]
+from autopar.ir.graph import Graph
+from autopar.ir.passes.fuse import FusionGroup, fusion_groups
+from autopar.ir.passes.patterns import KERNEL_KINDS
+
+__all__ = ["KernelSpec", "generate_source", "source_hash", "spec_of", "render_kernels", "FLAT_BLOCK", "ACTIVATIONS",
+           "KINDS"]
 
 #: elements per program of the flat elementwise kernels
 FLAT_BLOCK = 1024
 #: activations the ``bias_act`` kernel knows (``gelu`` is the exact erf form of ``F.gelu``; ``gelu_tanh`` is
 #: ``F.gelu(approximate="tanh")``)
 ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu")
-#: fusion-group kinds that have a generated kernel
-KINDS = ("bias_act", "swiglu", "add_norm", "softmax", "dropout")
+#: fusion-group kinds that have a generated kernel (the IR's vocabulary, :data:`autopar.ir.passes.KERNEL_KINDS`)
+KINDS = KERNEL_KINDS
 
 Kind = Literal["bias_act", "swiglu", "add_norm", "softmax", "dropout"]
 
@@ -312,3 +319,45 @@ def generate_source(spec: KernelSpec) -> str:
 def source_hash(source: str) -> str:
     """Content hash of a kernel module's source (16 hex digits), the on-disk cache key."""
     return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+# ---- fusion groups -> kernels ------------------------------------------------------------------------------------
+def spec_of(kind: str, a: dict[str, Any]) -> KernelSpec | None:
+    """Kernel spec of a fusion group or pattern-match kind with its attributes; None for ``pointwise`` groups (they
+    run eagerly)."""
+    if kind == "bias_act":
+        return KernelSpec(kind="bias_act", act=a["act"], bias=bool(a.get("bias")))
+    if kind == "swiglu":
+        return KernelSpec(kind="swiglu")
+    if kind == "add_norm":
+        return KernelSpec(kind="add_norm", norm=a["norm"], residual=bool(a.get("residual")),
+                          weight=bool(a.get("weight", True)), norm_bias=bool(a.get("norm_bias")))
+    if kind == "softmax":
+        return KernelSpec(kind="softmax", scale=a.get("scale") is not None)
+    if kind == "dropout":
+        return KernelSpec(kind="dropout")
+    return None
+
+
+def render_kernels(graph: Graph, nodes: Iterable[str] | None = None) -> str:
+    """The generated Triton source for every distinct fused kernel of ``graph``, each under a comment listing the
+    groups that use it (``autopar show plan.yaml --kernels``)."""
+    groups = fusion_groups(graph, nodes)
+    by_spec: dict[KernelSpec, list[FusionGroup]] = {}
+    eager: list[FusionGroup] = []
+    for g in groups:
+        spec = spec_of(g.kind, dict(g.attrs))
+        if spec is None:
+            eager.append(g)
+        else:
+            by_spec.setdefault(spec, []).append(g)
+    parts = [f"# {graph.model_name}: {len(groups)} fusion group(s), {len(by_spec)} distinct kernel(s)\n"]
+    for spec, gs in by_spec.items():
+        saved = sum(g.bytes_saved for g in gs)
+        parts.append(f"\n# ==== {spec.name}: {len(gs)} group(s), {saved / 1e6:.3f} MB saved per step (fwd)\n")
+        parts += [f"#   {' -> '.join(g.nodes)}\n" for g in gs]
+        parts.append(generate_source(spec))
+    if eager:
+        parts.append(f"\n# ==== eager pointwise runs (no generated kernel): {len(eager)}\n")
+        parts += [f"#   {' -> '.join(g.nodes)} ({', '.join(g.ops)})\n" for g in eager]
+    return "".join(parts)

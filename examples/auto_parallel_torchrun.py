@@ -13,16 +13,13 @@ import argparse
 import logging
 import os
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from autopar.zoo import build  # noqa: E402
-from autopar.ir.plan import plan_to_yaml  # noqa: E402
-from autopar.planner import auto_parallel  # noqa: E402
+from autopar import auto_parallel
+from autopar.ir.plan import plan_to_yaml
+from autopar.zoo import build
 
 log = logging.getLogger("auto_parallel_torchrun")
 

@@ -2,17 +2,32 @@
 
 from autopar.ir.errors import AutoparError, ExampleInputError, IRVerificationError, SchemaError, TraceError
 from autopar.ir.graph import DTYPE_BYTES, Graph, LayerGroup, Node, ParamInfo, TensorMeta
-from autopar.ir.layers import group_layers
+from autopar.ir.ops import OpKind
+from autopar.ir.passes import Pass, PassOptions, decompose_attention, default_pipeline, group_layers, run_passes
 from autopar.ir.placement import Placement, Recompute, Schedule
-from autopar.ir.plan import (PLAN_SCHEMA_VERSION, MemoryBreakdown, MeshPlan, OpSharding, ParamSharding, Plan, SolverReport,
-                     StagePlan, TimeBreakdown, dump_plan, load_plan, plan_from_yaml, plan_to_yaml)
+from autopar.ir.plan import (
+                     PLAN_SCHEMA_VERSION,
+                     MemoryBreakdown,
+                     MeshPlan,
+                     OpSharding,
+                     ParamSharding,
+                     Plan,
+                     SolverReport,
+                     StagePlan,
+                     TimeBreakdown,
+                     dump_plan,
+                     load_plan,
+                     plan_from_yaml,
+                     plan_to_yaml,
+)
 from autopar.ir.trace import TensorSpec, trace
 from autopar.ir.verify import verify
 
 __all__ = [
     "AutoparError", "ExampleInputError", "IRVerificationError", "SchemaError", "TraceError",
     "DTYPE_BYTES", "Graph", "LayerGroup", "Node", "ParamInfo", "TensorMeta",
-    "group_layers", "TensorSpec", "trace", "verify", "Placement", "Recompute", "Schedule",
+    "OpKind", "Pass", "PassOptions", "decompose_attention", "default_pipeline", "group_layers", "run_passes",
+    "TensorSpec", "trace", "verify", "Placement", "Recompute", "Schedule",
     "PLAN_SCHEMA_VERSION", "MemoryBreakdown", "MeshPlan", "OpSharding", "ParamSharding", "Plan", "SolverReport",
     "StagePlan", "TimeBreakdown", "dump_plan", "load_plan", "plan_from_yaml", "plan_to_yaml",
 ]

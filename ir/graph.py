@@ -1,22 +1,26 @@
 """The graph IR: frozen dataclasses describing what a model computes.
 
 A :class:`Graph` is a topologically ordered tuple of :class:`Node` s.  Each node is one tensor operation with a
-canonical op name (see :mod:`autopar.ir.ops`), the names of the values it reads (other nodes, or parameter/buffer FQNs), the
-metadata of the tensors it produces, the module it came from, and its forward/backward FLOPs and bytes.  No weight is
-ever stored: parameters are described by :class:`ParamInfo` (name, shape, dtype).
+canonical op name (see :mod:`autopar.ir.ops`), the names of the values it reads (other nodes, or parameter/buffer
+FQNs), the metadata of the tensors it produces, the module it came from, and its forward/backward FLOPs and bytes.  No
+weight is ever stored: parameters are described by :class:`ParamInfo` (name, shape, dtype).  Graph queries that need
+more than one node live on :class:`Graph`: what an input is (:meth:`Graph.input_meta`), which tensor owns a view's
+storage (:meth:`Graph.storage_key`), and what autograd saves for a node's backward (:meth:`Graph.saved_tensors`).
 
-Graphs are values.  Passes build new graphs with :func:`dataclasses.replace`; :func:`autopar.ir.verify` checks the invariants.
+Graphs are values.  Passes build new graphs with :func:`dataclasses.replace`; :func:`autopar.ir.verify` checks the
+invariants.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Literal
 
-__all__ = ["TensorMeta", "ParamInfo", "Node", "LayerGroup", "Graph", "DTYPE_BYTES"]
+__all__ = ["TensorMeta", "ParamInfo", "Node", "LayerGroup", "Graph", "SavedTensor", "DTYPE_BYTES", "FLOAT_DTYPES"]
 
 #: bytes per element of the dtypes the IR knows (``str(torch.dtype)`` without the ``torch.`` prefix)
 DTYPE_BYTES: dict[str, int] = {
@@ -24,6 +28,13 @@ DTYPE_BYTES: dict[str, int] = {
     "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16,
     "float8_e4m3fn": 1, "float8_e5m2": 1,
 }
+#: floating-point dtypes: the values that carry gradients
+FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
+# what autograd saves for backward, by op (Graph.saved_tensors)
+_SAVE_INPUT = frozenset({"gelu", "silu", "relu", "sigmoid", "tanh", "exp", "log", "sin", "cos", "erf", "softplus",
+                         "mish", "hardswish", "elu", "leaky_relu", "log1p", "expm1", "pow", "square", "sqrt",
+                         "abs", "clamp", "maximum", "minimum"})
+_SAVE_OUTPUT = frozenset({"softmax", "log_softmax", "rsqrt", "reciprocal"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +137,28 @@ class LayerGroup:
     params: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class SavedTensor:
+    """A tensor autograd keeps for backward: an input (``pos`` >= 0), the output (``pos == -1``) or an extra
+    (``pos == -2``: a mask or statistics, ``nbytes`` given, sharded like the output)."""
+
+    pos: int
+    key: str
+    """Storage identity: saved tensors with the same key and placement are stored once."""
+    meta: TensorMeta | None = None
+    nbytes: float = 0.0
+    """For extras: bytes at the traced shape (not scaled by the training dtype)."""
+
+
+def _int_arg(node: Node) -> int | None:
+    args = node.attr("args")
+    if isinstance(args, (tuple, list)) and len(args) == 1 and isinstance(args[0], int):
+        return args[0]
+    if isinstance(args, int):
+        return args
+    return None
+
+
 @dataclass(frozen=True)
 class Graph:
     """A traced model."""
@@ -169,6 +202,76 @@ class Graph:
             for i in n.inputs:
                 out.setdefault(i, []).append(n.name)
         return {k: tuple(v) for k, v in out.items()}
+
+    def input_meta(self, node: Node, i: int) -> TensorMeta | None:
+        """Meta of ``node.inputs[i]`` (the selected output for ``getitem`` of a multi-output node)."""
+        name = node.inputs[i]
+        if name in self.param_map:
+            return self.param_map[name].meta
+        if not self.has_node(name):
+            return None
+        src = self.node(name)
+        if not src.outputs:
+            return None
+        if len(src.outputs) > 1 and node.op == "getitem":
+            idx = _int_arg(node)
+            if idx is not None and -len(src.outputs) <= idx < len(src.outputs):
+                return src.outputs[idx]
+        return src.outputs[0]
+
+    def storage_key(self, name: str) -> str:
+        """Follow single-input, numel-preserving views up to the tensor that owns the storage."""
+        seen = 0
+        while self.has_node(name) and seen < 64:
+            n = self.node(name)
+            acts = n.activation_inputs
+            if n.kind != "view" or len(acts) != 1 or not self.has_node(acts[0]) or len(n.outputs) != 1:
+                break
+            src = self.node(acts[0])
+            if not src.outputs or len(src.outputs) > 1 or src.outputs[0].numel != n.out.numel:
+                break
+            name, seen = acts[0], seen + 1
+        return name
+
+    def saved_tensors(self, node: Node) -> tuple[SavedTensor, ...]:
+        """What autograd keeps for ``node``'s backward (flash/efficient attention: no S^2 score matrix).
+
+        Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", Sec. 4.1 counts
+        the same tensors for a transformer layer."""
+        op, kind = node.op, node.kind
+        metas = [self.input_meta(node, i) for i in range(len(node.inputs))]
+        acts = [i for i, x in enumerate(node.inputs) if x not in node.params and metas[i] is not None]
+
+        def inp(i: int) -> SavedTensor:
+            return SavedTensor(i, self.storage_key(node.inputs[i]) + "@in", metas[i])
+
+        if not node.outputs or kind in ("view", "input", "creation"):
+            return ()
+        out = SavedTensor(-1, node.name + "@in", node.out)
+        if kind in ("matmul", "conv"):
+            return tuple(inp(i) for i in acts)
+        if kind == "attention":
+            q = metas[acts[0]] if acts else None
+            lse = float(math.prod(q.shape[:-1]) * 4) if q is not None else 0.0  # fp32 logsumexp per query row
+            return (*(inp(i) for i in acts[:3]), out, SavedTensor(-2, node.name + "@lse", None, lse))
+        if kind == "norm":
+            rows = node.out.numel // max(1, node.out.shape[-1] if node.out.shape else 1)
+            nstats = 1 if op == "rms_norm" else 2
+            return (*(inp(i) for i in acts[:1]), SavedTensor(-2, node.name + "@stats", None, 4.0 * nstats * rows))
+        if kind == "softmax" or op in _SAVE_OUTPUT:
+            return (out,)
+        if op == "dropout":
+            return (SavedTensor(-2, node.name + "@mask", None, float(node.out.numel)),)
+        if op in _SAVE_INPUT:
+            return tuple(inp(i) for i in acts[:1])
+        if op in ("mul", "div"):
+            return tuple(inp(i) for i in acts
+                         if metas[i] is not None and metas[i].dtype in FLOAT_DTYPES)  # type: ignore[union-attr]
+        if kind == "embedding":
+            return tuple(inp(i) for i in acts)
+        if kind == "loss":
+            return tuple(inp(i) for i in acts[:1])
+        return ()
 
     # ---- summaries ---------------------------------------------------------------------------------------------
     @property

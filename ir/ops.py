@@ -22,14 +22,40 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, Callable, Sequence
 
 from autopar.ir.graph import TensorMeta
 
-__all__ = ["OpRule", "OP_RULES", "ALIASES", "canonical_op", "op_cost", "KINDS"]
+__all__ = ["OpKind", "OpRule", "OP_RULES", "ALIASES", "canonical_op", "op_cost", "KINDS"]
 
-KINDS = ("matmul", "attention", "conv", "embedding", "norm", "softmax", "loss", "pointwise", "reduction", "copy",
-         "gather", "creation", "view", "input", "unknown")
+
+class OpKind(StrEnum):
+    """The cost class of an op (``Node.kind``, ``OpRule.kind``).
+
+    A ``StrEnum``: every member *is* its plain string (``OpKind.MATMUL == "matmul"``, same hash, ``str()`` and
+    f-string give ``"matmul"``), so comparisons with strings, dict/set lookups, JSON and the graph fingerprint are
+    unchanged; only ``repr`` differs, and YAML writers should store ``str(kind)``."""
+
+    MATMUL = "matmul"
+    ATTENTION = "attention"
+    CONV = "conv"
+    EMBEDDING = "embedding"
+    NORM = "norm"
+    SOFTMAX = "softmax"
+    LOSS = "loss"
+    POINTWISE = "pointwise"
+    REDUCTION = "reduction"
+    COPY = "copy"
+    GATHER = "gather"
+    CREATION = "creation"
+    VIEW = "view"
+    INPUT = "input"
+    UNKNOWN = "unknown"
+
+
+KINDS: tuple[OpKind, ...] = tuple(OpKind)
+"""Every op kind, in declaration order."""
 
 Metas = Sequence["TensorMeta | None"]
 FlopFn = Callable[[Metas, Sequence[TensorMeta], dict[str, Any]], float]
@@ -39,7 +65,7 @@ FlopFn = Callable[[Metas, Sequence[TensorMeta], dict[str, Any]], float]
 class OpRule:
     """How one canonical op is classified and costed."""
 
-    kind: str
+    kind: OpKind
     flops: FlopFn | None = None
     """Forward FLOPs from (input metas, output metas, attrs); None means ``per_elem`` FLOPs per output element."""
     bwd_factor: float = 1.0
@@ -113,28 +139,28 @@ def _reduction_flops(ins: Metas, outs: Sequence[TensorMeta], attrs: dict[str, An
     return float(x.numel) if x is not None else 0.0
 
 
-_P = OpRule("pointwise")
-_P4 = OpRule("pointwise", per_elem=4.0)  # transcendental (gelu/silu/exp/tanh...)
-_V = OpRule("view", flops=_zero, bwd_factor=0.0)
-_C = OpRule("copy", flops=_zero)
-_R = OpRule("reduction", flops=_reduction_flops)
+_P = OpRule(OpKind.POINTWISE)
+_P4 = OpRule(OpKind.POINTWISE, per_elem=4.0)  # transcendental (gelu/silu/exp/tanh...)
+_V = OpRule(OpKind.VIEW, flops=_zero, bwd_factor=0.0)
+_C = OpRule(OpKind.COPY, flops=_zero)
+_R = OpRule(OpKind.REDUCTION, flops=_reduction_flops)
 
 OP_RULES: dict[str, OpRule] = {
-    "linear": OpRule("matmul", _linear_flops, 2.0),
-    "matmul": OpRule("matmul", _matmul_flops, 2.0),
-    "einsum": OpRule("matmul", _einsum_flops, 2.0),
-    "sdpa": OpRule("attention", _sdpa_flops, 2.0),
-    "conv": OpRule("conv", _conv_flops, 2.0),
-    "embedding": OpRule("embedding", _zero),
-    "layer_norm": OpRule("norm", per_elem=5.0),
-    "rms_norm": OpRule("norm", per_elem=4.0),
-    "batch_norm": OpRule("norm", per_elem=5.0),
-    "group_norm": OpRule("norm", per_elem=5.0),
-    "softmax": OpRule("softmax", per_elem=5.0),
-    "log_softmax": OpRule("softmax", per_elem=5.0),
-    "cross_entropy": OpRule("loss", _loss_flops),
-    "mse_loss": OpRule("loss", _loss_flops),
-    "nll_loss": OpRule("loss", _loss_flops),
+    "linear": OpRule(OpKind.MATMUL, _linear_flops, 2.0),
+    "matmul": OpRule(OpKind.MATMUL, _matmul_flops, 2.0),
+    "einsum": OpRule(OpKind.MATMUL, _einsum_flops, 2.0),
+    "sdpa": OpRule(OpKind.ATTENTION, _sdpa_flops, 2.0),
+    "conv": OpRule(OpKind.CONV, _conv_flops, 2.0),
+    "embedding": OpRule(OpKind.EMBEDDING, _zero),
+    "layer_norm": OpRule(OpKind.NORM, per_elem=5.0),
+    "rms_norm": OpRule(OpKind.NORM, per_elem=4.0),
+    "batch_norm": OpRule(OpKind.NORM, per_elem=5.0),
+    "group_norm": OpRule(OpKind.NORM, per_elem=5.0),
+    "softmax": OpRule(OpKind.SOFTMAX, per_elem=5.0),
+    "log_softmax": OpRule(OpKind.SOFTMAX, per_elem=5.0),
+    "cross_entropy": OpRule(OpKind.LOSS, _loss_flops),
+    "mse_loss": OpRule(OpKind.LOSS, _loss_flops),
+    "nll_loss": OpRule(OpKind.LOSS, _loss_flops),
     # pointwise
     **{k: _P for k in ("add", "sub", "mul", "div", "neg", "pow", "rsqrt", "sqrt", "abs", "clamp", "where",
                         "masked_fill", "relu", "dropout", "cast", "reciprocal", "maximum", "minimum", "eq", "ne",
@@ -148,9 +174,9 @@ OP_RULES: dict[str, OpRule] = {
                         "cumsum", "norm", "prod", "any", "all", "sort", "pool", "logsumexp")},
     # data movement
     **{k: _C for k in ("cat", "stack", "clone", "contiguous", "copy", "pad", "repeat", "roll", "flip")},
-    **{k: OpRule("gather", _zero) for k in ("gather", "scatter", "index_select", "index", "scatter_add",
+    **{k: OpRule(OpKind.GATHER, _zero) for k in ("gather", "scatter", "index_select", "index", "scatter_add",
                                             "index_put", "one_hot", "masked_select")},
-    **{k: OpRule("creation", _zero, 0.0) for k in ("arange", "zeros", "ones", "full", "empty", "zeros_like",
+    **{k: OpRule(OpKind.CREATION, _zero, 0.0) for k in ("arange", "zeros", "ones", "full", "empty", "zeros_like",
                                                    "ones_like", "full_like", "empty_like", "rand", "randn",
                                                    "rand_like", "randn_like", "scalar_tensor", "lift")},
     **{k: _V for k in ("view", "reshape", "permute", "transpose", "t", "unsqueeze", "squeeze", "flatten",
@@ -231,17 +257,17 @@ def canonical_op(name: str) -> str:
 
 
 def op_cost(op: str, ins: Metas, outs: Sequence[TensorMeta],
-            attrs: dict[str, Any]) -> tuple[str, float, float, float, float]:
+            attrs: dict[str, Any]) -> tuple[OpKind, float, float, float, float]:
     """(kind, flops_fwd, flops_bwd, bytes_read, bytes_written) of one op; unknown ops get ``kind='unknown'`` and a
     conservative bytes-only cost (everything read and written once, no FLOPs)."""
     rule = OP_RULES.get(op)
     read = float(sum(m.nbytes for m in ins if m is not None))
     written = float(sum(o.nbytes for o in outs))
     if rule is None:
-        return "unknown", 0.0, 0.0, read, written
-    if rule.kind == "view":
-        return "view", 0.0, 0.0, 0.0, 0.0
-    if rule.kind == "embedding":
+        return OpKind.UNKNOWN, 0.0, 0.0, read, written
+    if rule.kind == OpKind.VIEW:
+        return OpKind.VIEW, 0.0, 0.0, 0.0, 0.0
+    if rule.kind == OpKind.EMBEDDING:
         # a lookup reads one row per index, not the whole table
         idx = ins[1] if len(ins) > 1 and ins[1] is not None and ins[1].dtype.startswith("int") else ins[0]
         read = float((idx.nbytes if idx is not None else 0) + written)

@@ -2,7 +2,8 @@
 
 Placements use DTensor's notation on the ``tp`` mesh axis: ``R`` (replicated), ``S(d)`` (sharded on tensor dim d),
 ``P`` (partial sums awaiting a reduction); ``S(d)[k]`` shards a fused tensor made of ``k`` equal parts along ``d``
-(a fused qkv weight) so that each rank holds its slice of every part.  Parameter placements are given per parameter *pattern*: ``*`` stands for
+(a fused qkv weight) so that each rank holds its slice of every part.  Parameter placements are given per parameter
+*pattern*: ``*`` stands for
 the index of a repeated block (``blocks.*.attn.qkv.weight``), because identical blocks share one solution.
 
 Mesh ranks are laid out with ``tp`` innermost, then ``dp``, then ``pp`` (rank = (pp_i * dp + dp_i) * tp + tp_i), so a
@@ -25,7 +26,8 @@ from autopar.ir.placement import Placement, Recompute, Schedule
 from autopar.ir.serialize import from_data, to_data
 
 __all__ = [
-    "PLAN_SCHEMA_VERSION", "Schedule", "Recompute", "Placement", "MeshPlan", "ParamSharding", "OpSharding", "MemoryBreakdown",
+    "PLAN_SCHEMA_VERSION", "Schedule", "Recompute", "Placement", "MeshPlan", "ParamSharding", "OpSharding",
+    "MemoryBreakdown",
     "TimeBreakdown", "StagePlan", "SolverReport", "Plan", "dump_plan", "load_plan", "plan_to_yaml",
     "plan_from_yaml",
 ]

@@ -1,7 +1,8 @@
 """Typed conversion between frozen dataclasses and plain YAML/JSON data.
 
 ``to_data`` turns a dataclass tree into dicts/lists/scalars; ``from_data`` rebuilds it, checking every field against
-its annotation and raising :class:`autopar.ir.SchemaError` with the dotted path of the first bad field (``stages.1.recompute:
+its annotation and raising :class:`autopar.ir.SchemaError` with the dotted path of the first bad field
+(``stages.1.recompute:
 expected one of 'none', 'selective', 'full', got 'some'``).  Unknown keys are rejected by name.  A dataclass's own
 ``__post_init__`` ``ValueError`` becomes a SchemaError at that object's path.
 """

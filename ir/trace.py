@@ -10,6 +10,10 @@ Two front ends produce the same IR:
 ``frontend="auto"`` tries ``fx`` first and falls back to ``export``; if both fail the error names the module and
 source line that stopped each front end and both front ends' reasons.
 
+Tracing is the ``capture`` step of the pass pipeline (:mod:`autopar.ir.passes.pipeline`); :func:`trace` then runs the
+pipeline's passes (``group``, and ``decompose``/``fuse`` when :class:`~autopar.ir.passes.PassOptions` selects them),
+verifying the IR after each.
+
 Example inputs may be real tensors (on any device), meta tensors, or :class:`TensorSpec` shape specs.  Shapes are
 propagated with FakeTensors, so a 175B-parameter model built on the meta device traces on a laptop.
 """
@@ -30,8 +34,8 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from autopar.ir.errors import ExampleInputError, TraceError
 from autopar.ir.graph import Graph, Node, ParamInfo, TensorMeta
-from autopar.ir.layers import group_layers
-from autopar.ir.ops import canonical_op, op_cost
+from autopar.ir.ops import OpKind, canonical_op, op_cost
+from autopar.ir.passes.pipeline import PassOptions, default_pipeline, run_passes, verify_after
 
 __all__ = ["TensorSpec", "trace", "Frontend"]
 
@@ -215,7 +219,7 @@ def _build_graph(gm: fx.GraphModule, model: torch.nn.Module, frontend: Literal["
                 continue
             value_name[n] = n.name
             metas[n.name] = outs[0]
-            nodes.append(Node(n.name, "input", "input", (), outs, target="input"))
+            nodes.append(Node(n.name, "input", OpKind.INPUT, (), outs, target="input"))
             continue
         if n.op == "get_attr":
             fqn = alias_of.get(str(n.target), str(n.target))
@@ -243,7 +247,7 @@ def _build_graph(gm: fx.GraphModule, model: torch.nn.Module, frontend: Literal["
         ins = [metas.get(i) for i in inputs]
         attrs = _attrs_of(n, op, gm if n.op == "call_module" else None)
         kind, ffwd, fbwd, br, bw = op_cost(op, ins, outs, dict(attrs))
-        if kind == "unknown":
+        if kind == OpKind.UNKNOWN:
             unknown[target] = None
             op = raw
         path, mtype = _module_of(n, gm if frontend == "fx" else None)
@@ -252,9 +256,8 @@ def _build_graph(gm: fx.GraphModule, model: torch.nn.Module, frontend: Literal["
                           target))
         value_name[n] = n.name
         metas[n.name] = outs[0]
-    graph = Graph(tuple(nodes), params, tuple(input_names), tuple(dict.fromkeys(outputs)),
-                  unknown_ops=tuple(unknown), frontend=frontend, model_name=model_name)
-    return group_layers(graph, {p: type(m).__name__ for p, m in model.named_modules()})
+    return Graph(tuple(nodes), params, tuple(input_names), tuple(dict.fromkeys(outputs)),
+                 unknown_ops=tuple(unknown), frontend=frontend, model_name=model_name)
 
 
 def _user_frame(exc: BaseException, model: torch.nn.Module) -> str:
@@ -352,13 +355,15 @@ def _quiet_torch_logs() -> Iterator[None]:
 
 
 def trace(model: torch.nn.Module, example_inputs: Sequence[Any] | Any, *, frontend: Frontend = "auto",
-          model_name: str = "") -> Graph:
-    """Lift ``model`` into an :class:`autopar.ir.Graph`.
+          model_name: str = "", passes: PassOptions | None = None) -> Graph:
+    """Lift ``model`` into an :class:`autopar.ir.Graph`: capture, then the pass pipeline (layer groups always;
+    the optional passes ``passes`` selects, none by default), with ``autopar.ir.verify`` after each step.
 
     ``example_inputs`` is one input or a tuple of them: real tensors, meta tensors, :class:`TensorSpec`, or plain shape
     tuples (float32).  ``frontend`` picks ``"fx"`` (symbolic_trace), ``"export"`` (torch.export) or ``"auto"`` (fx,
     falling back to export).  Raises :class:`autopar.ir.TraceError` when no front end captures the model and
-    :class:`autopar.ir.ExampleInputError` when the example inputs do not fit it.  Never mutates or materializes ``model``.
+    :class:`autopar.ir.ExampleInputError` when the example inputs do not fit it.  Never mutates or materializes
+    ``model``.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"trace() needs an nn.Module, got {type(model).__name__}")
@@ -372,7 +377,8 @@ def trace(model: torch.nn.Module, example_inputs: Sequence[Any] | Any, *, fronte
         graph = _trace_with(model, inputs, name, frontend)
     if graph.unknown_ops:
         log.warning("costed %d unknown op(s) by bytes only: %s", len(graph.unknown_ops), ", ".join(graph.unknown_ops))
-    return graph
+    module_types = {p: type(m).__name__ for p, m in model.named_modules()}
+    return run_passes(verify_after("capture", graph), default_pipeline(passes, module_types=module_types))
 
 
 def _trace_with(model: torch.nn.Module, inputs: list[Any], name: str, frontend: Frontend) -> Graph:

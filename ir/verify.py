@@ -1,12 +1,14 @@
-"""``autopar.ir.verify``: the IR's invariants, checked after every pass in tests."""
+"""``autopar.ir.verify``: the IR's invariants, checked after every pass (``autopar.ir.passes.run_passes``)."""
 
 from __future__ import annotations
 
 from autopar.ir.errors import IRVerificationError
 from autopar.ir.graph import Graph
-from autopar.ir.ops import KINDS
+from autopar.ir.ops import OpKind
 
 __all__ = ["verify"]
+
+_KINDS = frozenset(OpKind)
 
 
 def _fail(msg: str) -> None:
@@ -30,7 +32,7 @@ def verify(graph: Graph) -> Graph:
             _fail(f"node {i}: duplicate name {n.name!r}")
         if n.name in pnames:
             _fail(f"node {n.name!r} shadows a parameter name")
-        if n.kind not in KINDS:
+        if n.kind not in _KINDS:
             _fail(f"node {n.name!r}: unknown kind {n.kind!r}")
         for inp in n.inputs:
             if inp not in seen and inp not in pnames:
@@ -50,7 +52,7 @@ def verify(graph: Graph) -> Graph:
                 _fail(f"node {n.name!r}: {f}={v}")
         seen.add(n.name)
     for name in graph.inputs:
-        if name not in seen or graph.node(name).kind != "input":
+        if name not in seen or graph.node(name).kind != OpKind.INPUT:
             _fail(f"graph input {name!r} is not an input node")
     for name in graph.outputs:
         if name not in seen and name not in pnames:

@@ -2,7 +2,8 @@
 
 Two independent sources, both Megatron-LM on DGX A100 80GB clusters:
 
-- ``profiles/published/megatron_sc21_table1.json`` (a copy of the project's ``shared/calibration`` file): Narayanan et al. SC'21 Table 1, throughput of 10 GPT
+- ``profiles/published/megatron_sc21_table1.json`` (a copy of the project's ``shared/calibration`` file): Narayanan et
+al. SC'21 Table 1, throughput of 10 GPT
   configurations on 32 to 3072 GPUs (2021 software, full recomputation).
 - ``profiles/published/megatron_korthikanti2022.json``: Korthikanti et al. 2022 (arXiv:2205.05198), the time of one
   22B transformer layer (Table 4) and end-to-end iteration times of four models on 8 to 512 GPUs (Table 5).
@@ -19,18 +20,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from importlib import resources
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from autopar import ir
-from autopar.ir.passes import decompose_attention
+from autopar.ir.passes import PassOptions
 from autopar.ir.plan import Plan
-from autopar.planner.cpsat import IntraOpOptions
-from autopar.planner.intra_op import solve_graph
+from autopar.planner.intra_op import IntraOpOptions, solve_graph
 from autopar.planner.options import PlanOptions
 from autopar.planner.search import search
 from autopar.profiles.builtin import load_builtin
@@ -74,7 +74,8 @@ def _graph(model: dict[str, Any], layers: int | None = None) -> ir.Graph:
         net = GPT(cfg)
     tokens = torch.empty((1, model["seq"]), dtype=torch.long, device="meta")
     name = f"gpt-l{cfg.layers}-h{cfg.hidden}"
-    return decompose_attention(ir.trace(net, (tokens,), model_name=name), dropout_p=_DROPOUT)
+    passes = PassOptions(decompose_attention=True, attention_dropout_p=_DROPOUT)
+    return ir.trace(net, (tokens,), model_name=name, passes=passes)
 
 
 def _pinned(graph: ir.Graph, profile: ClusterProfile, *, tp: int, pp: int, dp: int, micro_batch: int,

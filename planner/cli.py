@@ -105,7 +105,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
         n = schedule_trace(plan, args.trace)
         print(f"wrote {n} trace events to {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)")
     if args.kernels:
-        from autopar.codegen.fusion import render_kernels
+        from autopar.codegen.triton_gen import render_kernels
 
         print(render_kernels(_trace(plan.model)))
     return 0

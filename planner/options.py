@@ -38,8 +38,8 @@ class PlanOptions:
     """CP-SAT workers; 1 keeps results deterministic."""
     fused_kernels: bool = True
     """Run fused groups (add+norm, bias+activation, SwiGLU, softmax, dropout) as generated Triton kernels
-    (``autopar.codegen.fusion``) and cost them so: a fused group's bytes count once (``autopar.codegen.fusion.apply_fused_bytes``).
-    The runtime fuses stages without tensor parallelism (tp = 1) on CUDA, or on the CPU when ``TRITON_INTERPRET=1``
+    (``autopar.codegen.kernels``) and cost them so: a fused group's bytes count once (the ``fuse`` pass,
+    ``autopar.ir.passes.fuse.apply_fused_bytes``). The runtime fuses stages without tensor parallelism (tp = 1) on CUDA, or on the CPU when ``TRITON_INTERPRET=1``
     is forced; tp > 1 stages run eagerly and are costed unfused.  False: eager everywhere, unfused costs."""
     overlap_grad_sync: bool = True
     """Overlap the data-parallel gradient sync with the last micro-batch's backward (DDP/FSDP2 bucketing); False

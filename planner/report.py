@@ -205,7 +205,7 @@ def _short(x: Any) -> str:
 
 def schedule_trace(plan: Plan, path: str | Path) -> int:
     """Write the simulated pipeline schedule of ``plan`` as Chrome-trace JSON; returns the number of events."""
-    from autopar.planner.schedule import chrome_trace, simulate
+    from autopar.planner.inter_op.schedule import chrome_trace, simulate
 
     fwd = [s.fwd_s for s in plan.stages]
     bwd = [s.bwd_s for s in plan.stages]

@@ -1,12 +1,13 @@
 """The outer search: mesh shape x micro-batching x schedule x ZeRO x recomputation, over a traced graph.
 
-For every tensor-parallel degree ``tp`` and micro-batch size, the intra-op CP-SAT solver (:mod:`autopar.planner.intra_op`)
-shards each distinct layer group once (identical blocks reuse the answer).  Every ``(pp, dp)`` split of the rest of
-the cluster, every schedule (GPipe, 1F1B, interleaved 1F1B with 2..4 virtual stages), ZeRO level 0-3 and recompute
-mode is then screened with closed forms (:mod:`autopar.planner.costing`, microseconds each); the best screened candidates are
-evaluated exactly (memory-aware stage partition, event-driven schedule simulation) and turned into :class:`autopar.ir.Plan`
-objects.  Pins (``tp=8``, ``schedule=1f1b``...) restrict the space; when nothing fits in memory the error names the
-smallest cluster (in nodes) on which the model does fit.
+For every tensor-parallel degree ``tp`` and micro-batch size, the intra-op CP-SAT solver
+(:mod:`autopar.planner.intra_op`) shards each distinct layer group once (identical blocks reuse the answer).  Every
+``(pp, dp)`` split of the rest of the cluster, every schedule (GPipe, 1F1B, interleaved 1F1B with 2..4 virtual
+stages), ZeRO level 0-3 and recompute mode is then screened with closed forms (:mod:`autopar.planner.inter_op.screen`,
+microseconds each); the best screened candidates are evaluated exactly (:mod:`autopar.planner.inter_op.evaluate`:
+memory-aware stage partition, event-driven schedule simulation) and turned into :class:`autopar.ir.Plan` objects.
+Pins (``tp=8``, ``schedule=1f1b``...) restrict the space; when nothing fits in memory the error names the smallest
+cluster (in nodes) on which the model does fit.
 """
 
 from __future__ import annotations
@@ -16,14 +17,13 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from autopar.codegen.fusion import apply_fused_bytes
 from autopar.ir.errors import AutoparError
 from autopar.ir.graph import Graph
-from autopar.planner.assemble import build_plan
-from autopar.planner.costing import Candidate, LayerTable, Screened, divisors, layer_table, screen
+from autopar.ir.passes.pipeline import PassOptions, default_pipeline, run_passes
+from autopar.ir.plan import Plan
+from autopar.planner.inter_op import Candidate, LayerTable, Screened, build_plan, divisors, layer_table, screen
 from autopar.planner.intra_op import IntraOpOptions, solve_graph
 from autopar.planner.options import PlanOptions
-from autopar.ir.plan import Plan
 from autopar.profiles.builtin import with_nodes
 from autopar.profiles.cost import CostModel
 from autopar.profiles.schema import ClusterProfile
@@ -120,9 +120,10 @@ class _Tables:
 
     def __init__(self, graph: Graph, cost: CostModel, options: PlanOptions) -> None:
         self.graph, self.cost, self.options = graph, cost, options
-        # fused groups move their bytes once (codegen.fusion); the runtime fuses only stages without tp, so only
-        # the tp = 1 tables see the fused graph
-        self.fused = apply_fused_bytes(graph) if options.fused_kernels else graph
+        # the pipeline's fuse pass (ir.passes): fused groups move their bytes once; the runtime fuses only stages
+        # without tp, so only the tp = 1 tables see the fused graph
+        fuse = default_pipeline(PassOptions(fused_kernels=options.fused_kernels), start="fuse")
+        self.fused = run_passes(graph, fuse)
         self.trace_batch = graph.batch
         self._cache: dict[tuple[int, int, bool], LayerTable] = {}
         self.opts = IntraOpOptions(time_limit_s=options.intra_op_time_limit_s, workers=options.workers,

@@ -1,21 +1,59 @@
-"""Test set-up shared by every tier.
+"""Test set-up shared by both tiers: ``tests/unit`` (fast, one process) and ``tests/integration`` (multi-process
+gloo runs, the golden-plan grid, calibration against published runs).
 
 TRITON_INTERPRET must be set before any ``@triton.jit`` function is defined, so it is set here, first.
+A test that starts processes (``torch.multiprocessing``, torchrun) must be marked ``@pytest.mark.multiprocess`` and
+live in ``tests/integration``; an unmarked one fails when it tries, so the fast tier stays fast.
 """
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import subprocess  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import torch.multiprocessing  # noqa: E402
 
 torch.set_num_threads(1)
+
+UNIT = Path(__file__).parent / "unit"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    misplaced = [i.nodeid for i in items if i.get_closest_marker("multiprocess") and UNIT in Path(i.path).parents]
+    if misplaced:
+        raise pytest.UsageError(f"multi-process tests belong in tests/integration: {misplaced}")
 
 
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _multiprocess_guard(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outside tests marked ``multiprocess``, starting ranks (torch.multiprocessing, torchrun) is an error."""
+    if request.node.get_closest_marker("multiprocess"):
+        return
+
+    def refuse(*_: object, **__: object) -> None:
+        raise RuntimeError(f"{request.node.nodeid} starts processes: mark it @pytest.mark.multiprocess and move it "
+                           "to tests/integration")
+
+    monkeypatch.setattr(torch.multiprocessing, "spawn", refuse)
+    monkeypatch.setattr(torch.multiprocessing, "start_processes", refuse)
+    real_init = subprocess.Popen.__init__
+
+    def popen_init(self: subprocess.Popen, args: object, *a: object, **k: object) -> None:
+        argv = args if isinstance(args, (list, tuple)) else [args]
+        if any("torchrun" in str(x) or "torch.distributed.run" in str(x) for x in argv):
+            refuse()
+        real_init(self, args, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", popen_init)
 
 
 @pytest.fixture(scope="module")

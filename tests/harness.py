@@ -147,9 +147,8 @@ def parity_worker(rank: int, configs: list[dict[str, Any]], model_name: str | li
     :func:`collective_counts` of the step, for ``count_comms`` configs without a pipeline): "param" is the
     largest norm-wise relative error (max|got-ref| / max|ref|) of an updated parameter, "update" that of the update
     (= the gradient, at lr 1), which is far more sensitive."""
-    from autopar.zoo import build, init_weights
-
     from autopar.codegen.runtime.program import build_program
+    from autopar.zoo import build, init_weights
 
     if isinstance(model_name, list):
         res: dict[str, dict[str, float]] = {}

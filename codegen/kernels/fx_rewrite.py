@@ -1,6 +1,7 @@
 """Rewrite a ``torch.fx.GraphModule`` so that its fusable patterns call the fused Triton kernels.
 
-The patterns and rules are those of :mod:`autopar.codegen.fusion` (the same matcher runs on fx nodes here).  Per kind:
+The patterns and rules are those of :mod:`autopar.ir.passes.patterns` (the IR's matcher runs on fx nodes here).
+Per kind:
 
 * ``add_norm``: ``[add ->] LayerNorm / RMSNorm (module or primitive chain)`` becomes one ``fused_add_norm`` call
   returning ``(sum, normalized)``; users of the add read the sum, users of the norm the normalized value.
@@ -25,11 +26,10 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from autopar.codegen.fusion import Match, NodeView, match_patterns
 from autopar.codegen.kernels import launch
-from autopar.codegen.kernels.autograd import (fused_add_norm, fused_bias_act, fused_dropout, fused_softmax,
-                                      fused_swiglu)
-from autopar.ir.ops import OP_RULES, canonical_op
+from autopar.codegen.kernels.autograd import fused_add_norm, fused_bias_act, fused_dropout, fused_softmax, fused_swiglu
+from autopar.ir.ops import OP_RULES, OpKind, canonical_op
+from autopar.ir.passes.patterns import Match, NodeView, match_patterns
 
 __all__ = ["fuse_graph_module", "FusedDropout", "fusion_enabled"]
 
@@ -86,7 +86,7 @@ def _view(gm: fx.GraphModule, n: fx.Node) -> NodeView:
         attrs.update({k: getattr(mod, k) for k in _MODULE_ATTRS
                       if hasattr(mod, k) and isinstance(getattr(mod, k), _SIMPLE)})
     scalars = tuple(a if not isinstance(a, list) else tuple(a) for a in n.args if not isinstance(a, fx.Node))
-    return NodeView(n.name, op, rule.kind if rule else "unknown", tuple(inputs), tuple(params), scalars, attrs)
+    return NodeView(n.name, op, rule.kind if rule else OpKind.UNKNOWN, tuple(inputs), tuple(params), scalars, attrs)
 
 
 # ---- rewriting ---------------------------------------------------------------------------------------------------
@@ -183,7 +183,7 @@ class _Rewriter:
 
 
 def fuse_graph_module(gm: fx.GraphModule, *, enabled: bool | None = None) -> fx.GraphModule:
-    """A copy of ``gm`` whose fusable patterns call the fused kernels (rules in :mod:`autopar.codegen.fusion`).
+    """A copy of ``gm`` whose fusable patterns call the fused kernels (rules in :mod:`autopar.ir.passes.patterns`).
 
     ``enabled=None`` turns fusion on when CUDA is available or ``TRITON_INTERPRET=1`` is forced; when off, ``gm``
     itself is returned.  The copy shares ``gm``'s parameters and submodules; ``gm`` is not modified.

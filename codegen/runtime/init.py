@@ -23,7 +23,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["Initializer", "meta_clone", "alias_names", "seed_stream", "copy_stream", "copy_into", "LocalSlot", "fill_slot"]
+__all__ = ["Initializer", "meta_clone", "alias_names", "seed_stream", "copy_stream", "copy_into", "LocalSlot",
+           "fill_slot"]
 
 log = logging.getLogger(__name__)
 

@@ -32,15 +32,30 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from autopar import ir
-from autopar.codegen.fusion import fuse_graph_module
+from autopar.codegen.kernels.fx_rewrite import fuse_graph_module
 from autopar.codegen.runtime import data_parallel as dpm
-from autopar.codegen.runtime.init import Initializer, LocalSlot, alias_names, copy_into, fill_slot, meta_clone, seed_stream
+from autopar.codegen.runtime.init import (
+    Initializer,
+    LocalSlot,
+    alias_names,
+    copy_into,
+    fill_slot,
+    meta_clone,
+    seed_stream,
+)
 from autopar.codegen.runtime.mesh import build_mesh, default_device
 from autopar.codegen.runtime.pipeline import build_schedule, local_stage_indices
 from autopar.codegen.runtime.split import SplitModel, StageModule, split_model
-from autopar.codegen.runtime.tensor_parallel import (expand_op_shardings, implicit_replication, dtensor_placement,
-                                             plan_param_placement, rewrite_group, to_dtensor, to_local_replicated,
-                                             unpermute_chunks)
+from autopar.codegen.runtime.tensor_parallel import (
+    dtensor_placement,
+    expand_op_shardings,
+    implicit_replication,
+    plan_param_placement,
+    rewrite_group,
+    to_dtensor,
+    to_local_replicated,
+    unpermute_chunks,
+)
 
 __all__ = ["ParallelProgram", "build_program"]
 
@@ -320,8 +335,9 @@ def _make_stages(plan: ir.Plan, graph: ir.Graph, split: SplitModel, indices: lis
 
 
 def _fuse(groups: list[fx.GraphModule], plan: ir.Plan, tp_mesh: DeviceMesh | None) -> list[fx.GraphModule]:
-    """The groups rewritten to call the generated fused kernels (:func:`autopar.codegen.fusion.fuse_graph_module`) when
-    ``plan.fused_kernels`` is set: on when CUDA is available or ``TRITON_INTERPRET=1`` is forced, else eager.
+    """The groups rewritten to call the generated fused kernels
+    (:func:`autopar.codegen.kernels.fx_rewrite.fuse_graph_module`) when ``plan.fused_kernels`` is set: on when CUDA
+    is available or ``TRITON_INTERPRET=1`` is forced, else eager.
 
     Stages under tensor parallelism (tp > 1) are *not* fused: their activations are DTensors, which the kernels do
     not take, and converting to local tensors is only correct for some placements (a norm over a sharded dim is not
@@ -362,7 +378,8 @@ def _to_empty_keep_ties(module: nn.Module, device: torch.device) -> None:
         m._parameters[k] = first.setdefault(old, p)
 
 
-def _load(stages: list[StageModule], model: nn.Module, init: Literal["copy"] | Initializer, seed: int, canon: dict[str, str],
+def _load(stages: list[StageModule], model: nn.Module, init: Literal["copy"] | Initializer, seed: int,
+          canon: dict[str, str],
           chunks: dict[str, int], plan: ir.Plan, fsdp: bool, dp_rank: int, tp_rank: int) -> None:
     slots: dict[str, dict[int, LocalSlot]] = {}
     for s in stages:

@@ -1,7 +1,9 @@
 """Cut a model into per-layer-group fx modules and chain them into pipeline stages.
 
-The model is traced with ``torch.fx.symbolic_trace`` (the same front end as :func:`autopar.ir.trace` with ``frontend="fx"``,
-so fx node names equal ``autopar.ir.Node.name``).  Every fx node is assigned to the layer group (``autopar.ir.Graph.layers``) that
+The model is traced with ``torch.fx.symbolic_trace`` (the same front end as :func:`autopar.ir.trace` with
+``frontend="fx"``,
+so fx node names equal ``autopar.ir.Node.name``).  Every fx node is assigned to the layer group
+(``autopar.ir.Graph.layers``) that
 holds the ir node of the same name; nodes the IR skips (``x.size()``, ``getattr``, ``get_attr``) go to the group of
 their first user.  Each group becomes one :class:`torch.fx.GraphModule` whose placeholders are the values it reads
 from earlier groups (or the model inputs) and whose output tuple holds the values later groups (or the model output)

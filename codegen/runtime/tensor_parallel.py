@@ -2,7 +2,8 @@
 
 What is done to the layer-group fx modules of a stage (see :mod:`autopar.codegen.runtime.split`):
 
-* Parameters become DTensors with the plan's placement (:meth:`autopar.ir.Plan.placement_of`): ``S(0)`` on a Linear weight is
+* Parameters become DTensors with the plan's placement (:meth:`autopar.ir.Plan.placement_of`): ``S(0)`` on a Linear
+weight is
   column parallel, ``S(1)`` row parallel, ``S(0)`` on an Embedding weight vocabulary parallel, ``R`` replicated.
   Activations stay DTensors inside a stage, so DTensor's sharding propagation inserts the collectives the placements
   imply (the all-reduce of a row-parallel output, the masked-partial reduction of a vocabulary-parallel lookup), and
@@ -39,7 +40,8 @@ from torch.utils.checkpoint import checkpoint
 
 from autopar import ir
 
-__all__ = ["implicit_replication", "dtensor_placement", "param_layout", "plan_param_placement", "Place", "LocalView", "HeadSDPA", "expand_op_shardings", "rewrite_group",
+__all__ = ["implicit_replication", "dtensor_placement", "param_layout", "plan_param_placement", "Place", "LocalView",
+           "HeadSDPA", "expand_op_shardings", "rewrite_group",
            "permute_chunks", "unpermute_chunks", "to_dtensor", "to_local_replicated"]
 
 log = logging.getLogger(__name__)
@@ -263,7 +265,8 @@ def rewrite_group(gm: fx.GraphModule, graph: ir.Graph, plan: ir.Plan, mesh: Devi
                   placement_of: Callable[[str], str] | None = None) -> dict[str, int]:
     """Insert placements, local fused views and DTensor attention into one group module, in place.
 
-    ``placement_of(fqn)`` is the plan's placement of a parameter (default :meth:`autopar.ir.Plan.placement_of`; the program
+    ``placement_of(fqn)`` is the plan's placement of a parameter (default :meth:`autopar.ir.Plan.placement_of`; the
+    program
     passes one that resolves tied names).  Returns ``{param fqn: chunks}`` for parameters stored chunk-interleaved
     (fused projections)."""
     placement_of = placement_of or plan.placement_of

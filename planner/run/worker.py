@@ -173,7 +173,7 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 
 def _resume(args: argparse.Namespace, plan: Any, program: Any, opt: torch.optim.Optimizer) -> tuple[Any, int]:
     """(Checkpointer or None, the step to start from)."""
-    from autopar.codegen.checkpoint import CheckpointOptions, Checkpointer, latest_checkpoint
+    from autopar.codegen.checkpoint import Checkpointer, CheckpointOptions, latest_checkpoint
 
     if not args.checkpoint_dir:
         if args.resume or args.save_every:

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from autopar import ir
-from autopar.zoo import build
 from autopar.planner import auto_parallel
 from autopar.profiles.schema import load_profile
+from autopar.zoo import build
 
 ROOT = Path(__file__).resolve().parents[2]
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
@@ -60,7 +60,7 @@ def test_outside_torchrun_without_a_cluster_asks_for_one(monkeypatch: pytest.Mon
         auto_parallel(spec.model, example_inputs=spec.example_inputs, loss_fn=spec.loss_fn, global_batch=4)
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_readme_example_under_torchrun_on_four_cpu_ranks(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}

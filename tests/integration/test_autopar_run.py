@@ -12,10 +12,11 @@ import pytest
 from autopar import ir
 from autopar.planner.cli import main
 
+pytestmark = pytest.mark.multiprocess  # every test here starts gloo ranks
+
 NUM = r"([-+\d.eE]+|nan|inf)"
 
 
-@pytest.mark.slow
 def test_profile_plan_run_end_to_end(tmp_path: Path, capfd: pytest.CaptureFixture[str],
                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -46,8 +47,9 @@ def test_profile_plan_run_end_to_end(tmp_path: Path, capfd: pytest.CaptureFixtur
 
 
 def test_run_rejects_a_plan_for_more_processes_than_one_node_starts(tmp_path: Path, capsys) -> None:
-    from harness import make_plan
     from autopar.zoo import build
+
+    from harness import make_plan
 
     spec = build("gpt-tiny", batch=4, device="meta")
     graph = ir.trace(spec.model, spec.example_inputs, frontend="fx", model_name="gpt-tiny")

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+pytestmark = pytest.mark.multiprocess  # every test here starts gloo ranks
 
 PLANS: list[dict[str, Any]] = [
     dict(name="dp4-zero3", dp=4, zero=3),
@@ -58,8 +61,9 @@ def reshard_worker(rank: int, root: str) -> list[dict[str, Any]]:
     from autopar import ir
     from autopar.codegen.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
     from autopar.codegen.runtime.program import build_program
-    from harness import make_plan
     from autopar.zoo import build
+
+    from harness import make_plan
 
     spec = build("gpt-tiny", batch=BATCH, device="cpu", seq=SEQ, seed=0)
     graph = ir.trace(spec.model, spec.example_inputs, frontend="fx", model_name="gpt-tiny")
@@ -91,6 +95,7 @@ def reshard_worker(rank: int, root: str) -> list[dict[str, Any]]:
 
 def test_reshard_round_trip_across_three_plan_changes(tmp_path: Any) -> None:
     from autopar.codegen.checkpoint import latest_checkpoint
+
     from harness import spawn
 
     history = spawn(reshard_worker, 4, str(tmp_path / "ckpt"))[0]

@@ -19,7 +19,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
+
+pytestmark = pytest.mark.multiprocess  # every test here starts gloo ranks
 
 STEPS, EVERY, BATCH, SEQ = 8, 2, 4, 16
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,10 +39,11 @@ def train(out_dir: Path) -> None:
     import torch.distributed as dist
 
     from autopar import ir
-    from autopar.codegen.checkpoint import CheckpointOptions, Checkpointer
+    from autopar.codegen.checkpoint import Checkpointer, CheckpointOptions
     from autopar.codegen.runtime.program import build_program
-    from harness import make_plan
     from autopar.zoo import build
+
+    from harness import make_plan
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -9,6 +9,8 @@ import pytest
 
 from harness import parity_worker, spawn
 
+pytestmark = pytest.mark.multiprocess  # every test here starts gloo ranks
+
 MODELS = ["gpt-tiny", "llama-tiny"]
 RTOL = 1e-5
 """Acceptance: loss and updated parameters to 1e-5 relative (fp32)."""

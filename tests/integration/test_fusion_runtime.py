@@ -14,6 +14,8 @@ import pytest
 
 from harness import parity_worker, spawn
 
+pytestmark = pytest.mark.multiprocess  # every test here starts gloo ranks
+
 MODELS = ["gpt-tiny", "llama-tiny"]
 RTOL = 1e-5
 """Loss and updated parameters (fp32), as in tests/test_codegen_parity.py."""

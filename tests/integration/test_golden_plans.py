@@ -12,12 +12,13 @@ from dataclasses import replace
 import pytest
 
 from autopar import ir
-from autopar.zoo import build
-from golden_files import GOLDEN_DIR, check_golden
 from autopar.ir.plan import plan_from_yaml, plan_to_yaml
 from autopar.planner.options import PlanOptions
 from autopar.planner.search import search
 from autopar.profiles.builtin import load_builtin
+from autopar.zoo import build
+
+from golden_files import GOLDEN_DIR, check_golden
 
 # (model, cluster, nodes, global batch, pins): small and large models, every built-in cluster, 1 to 128 nodes.
 CASES = [

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 
 from autopar import ir
 from autopar.codegen.runtime.program import build_program
-from harness import make_plan, spawn
 from autopar.zoo import build
+
+from harness import make_plan, spawn
+
+pytestmark = pytest.mark.multiprocess  # every test here starts gloo ranks
 
 CASES = [("gpt-tiny", {"dp": 2, "micro_batch": 2}), ("llama-tiny", {"pp": 2, "micro_batch": 2, "num_microbatches": 2})]
 

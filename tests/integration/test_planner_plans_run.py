@@ -1,4 +1,5 @@
-"""Tier (c) for plans *the planner emits*: ``autopar.planner.search`` plans for gpt-tiny and llama-tiny on 2- and 4-device
+"""Tier (c) for plans *the planner emits*: ``autopar.planner.search`` plans for gpt-tiny and llama-tiny on 2- and
+4-device
 clusters run on gloo CPU ranks with parity against the single-process step (loss and SGD-updated parameters to 1e-5
 relative in fp32, as tests/test_codegen_parity.py checks hand-made Megatron plans).
 
@@ -20,12 +21,15 @@ from collections.abc import Callable
 import pytest
 
 from autopar import ir
-from harness import parity_worker, spawn
-from autopar.zoo import build
 from autopar.planner.options import PlanOptions
 from autopar.planner.search import search
 from autopar.profiles.builtin import load_builtin
 from autopar.profiles.schema import COLLECTIVES, ClusterProfile
+from autopar.zoo import build
+
+from harness import parity_worker, spawn
+
+pytestmark = pytest.mark.multiprocess  # every test here starts gloo ranks
 
 MODELS = ["gpt-tiny", "llama-tiny"]
 BATCH, SEQ = 8, 16

@@ -15,7 +15,7 @@ def test_default_message_sizes() -> None:
     assert default_message_sizes(quick=True)[-1] <= 2**20
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_quick_profile_two_ranks(tmp_path) -> None:
     torch.set_num_threads(1)
     out = tmp_path / "machine.yaml"

@@ -23,6 +23,8 @@ import pytest
 from autopar import ir
 from autopar.planner.cli import main
 
+pytestmark = pytest.mark.multiprocess  # every test here starts gloo ranks
+
 TIMEOUT = ["--timeout", "240"]
 
 
@@ -34,8 +36,9 @@ def _env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _dp2_plan(path: Path) -> Path:
-    from harness import make_plan
     from autopar.zoo import build
+
+    from harness import make_plan
 
     spec = build("gpt-tiny", batch=2, device="meta")
     graph = ir.trace(spec.model, spec.example_inputs, frontend="fx", model_name="gpt-tiny")
@@ -48,7 +51,6 @@ def _report(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-@pytest.mark.slow
 def test_killed_rank_resumes_through_autopar_run(tmp_path: Path, capfd: pytest.CaptureFixture[str],
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     plan = str(_dp2_plan(tmp_path / "plan.yaml"))
@@ -98,7 +100,6 @@ def _synthetic_profile(path: Path) -> Path:
     return path
 
 
-@pytest.mark.slow
 def test_replanned_mesh_loads_the_checkpoint(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     prof = str(_synthetic_profile(tmp_path / "prof.yaml"))
     plan, plan2, ckpt = tmp_path / "plan.yaml", tmp_path / "plan2.yaml", tmp_path / "ckpt"

@@ -1,6 +1,7 @@
 """Everything a user can type wrong gets a clear error that says what is wrong and what to do, never a traceback.
 
-Each test drives ``autopar.planner.cli.main`` (exit code 2, ``autopar: error: <message>`` on stderr) where a CLI path exists,
+Each test drives ``autopar.planner.cli.main`` (exit code 2, ``autopar: error: <message>`` on stderr) where a CLI path
+exists,
 and the library function otherwise.  Messages are asserted on their content: the offending thing is named and a way
 out is suggested.
 """
@@ -16,12 +17,12 @@ import torch
 import yaml
 
 from autopar import ir
-from autopar.zoo import build
 from autopar.ir.errors import ExampleInputError, SchemaError
 from autopar.ir.plan import MeshPlan, Plan, StagePlan, dump_plan, plan_from_yaml, plan_to_yaml
 from autopar.planner.cli import main
 from autopar.profiles.builtin import load_builtin
 from autopar.profiles.schema import ProfileError, dump_profile, load_profile
+from autopar.zoo import build
 
 _UNTRACEABLE = textwrap.dedent('''
     import torch

@@ -9,8 +9,14 @@ import pytest
 import torch
 from torch import nn
 
-from autopar.codegen.checkpoint import (CheckpointOptions, Checkpointer, latest_checkpoint, load_checkpoint, save_checkpoint,
-                                step_dir)
+from autopar.codegen.checkpoint import (
+    Checkpointer,
+    CheckpointOptions,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    step_dir,
+)
 
 
 def _trained(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:

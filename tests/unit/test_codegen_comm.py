@@ -10,8 +10,9 @@ from torch.distributed.tensor.debug import CommDebugMode
 from autopar import ir
 from autopar.codegen.runtime.program import build_program
 from autopar.codegen.runtime.tensor_parallel import expand_op_shardings
-from harness import make_plan
 from autopar.zoo import build
+
+from harness import make_plan
 
 
 def _predicted(plan: ir.Plan, graph: ir.Graph, block: ir.LayerGroup) -> dict[str, int]:

@@ -9,8 +9,9 @@ from autopar import ir
 from autopar.codegen.runtime.init import meta_clone, seed_stream
 from autopar.codegen.runtime.split import StageModule, split_model
 from autopar.codegen.runtime.tensor_parallel import permute_chunks, unpermute_chunks
-from harness import make_plan
 from autopar.zoo import build, init_weights
+
+from harness import make_plan
 
 
 @pytest.mark.parametrize("model", ["gpt-tiny", "llama-tiny"])

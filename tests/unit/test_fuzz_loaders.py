@@ -1,7 +1,8 @@
 """Property-based fuzzing of the two YAML loaders a user feeds by hand: plans and cluster profiles.
 
 Property: any text either loads, or fails with the loader's schema error (``autopar.ir.errors.SchemaError`` for plans,
-``autopar.profiles.schema.ProfileError`` for profiles) -- never a bare KeyError/TypeError/OverflowError from inside -- and a
+``autopar.profiles.schema.ProfileError`` for profiles) -- never a bare KeyError/TypeError/OverflowError from inside --
+and a
 problem inside a well-formed YAML mapping names the offending field.
 
 Inputs come from two families: (a) a valid document (a plan built from ``autopar.ir.plan`` types, the built-in DGX A100
@@ -21,8 +22,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from autopar.ir.errors import SchemaError
-from autopar.ir.plan import (MemoryBreakdown, MeshPlan, OpSharding, ParamSharding, Plan, StagePlan, TimeBreakdown,
-                     plan_from_yaml, plan_to_yaml)
+from autopar.ir.plan import (
+    MemoryBreakdown,
+    MeshPlan,
+    OpSharding,
+    ParamSharding,
+    Plan,
+    StagePlan,
+    TimeBreakdown,
+    plan_from_yaml,
+    plan_to_yaml,
+)
 from autopar.profiles.builtin import load_builtin
 from autopar.profiles.schema import ProfileError, dump_profile, loads_profile
 

@@ -9,15 +9,17 @@ import random
 import pytest
 import torch
 
+import autopar.planner.intra_op.solve as intra_solve
 from autopar import ir
-import autopar.planner.intra_op as io
+from autopar.planner.intra_op.cpsat import IntraOpOptions, evaluate_costs, solve_costs
+from autopar.planner.intra_op.rules import strategies_for
+from autopar.planner.intra_op.rules_shape import reshape_pairs
+from autopar.planner.intra_op.solve import solve_graph, solve_group
+from autopar.profiles.builtin import load_builtin
+from autopar.profiles.cost import CostModel
 from autopar.zoo import build
 from autopar.zoo.gpt import GPT, GPTConfig
 from autopar.zoo.llama import Llama, LlamaConfig
-from autopar.planner.intra_op import IntraOpOptions, evaluate_costs, solve_costs, solve_graph, solve_group
-from autopar.planner.strategies import reshape_pairs, strategies_for
-from autopar.profiles.builtin import load_builtin
-from autopar.profiles.cost import CostModel
 
 INF = math.inf
 
@@ -202,8 +204,8 @@ def test_zoo_tiny_solves_at_tp2(cm: CostModel, name: str, monkeypatch: pytest.Mo
         ss = strategies_for(g, n, 2)
         assert ss[0].name == "replicate" and all(len(s.inputs) == len(n.inputs) for s in ss)
     calls: list[int] = []
-    real = io.solve_group
-    monkeypatch.setattr(io, "solve_group", lambda graph, group, **kw: calls.append(group.index) or
+    real = intra_solve.solve_group
+    monkeypatch.setattr(intra_solve, "solve_group", lambda graph, group, **kw: calls.append(group.index) or
                         real(graph, group, **kw))
     sols = solve_graph(g, tp=2, cost=cm, tp_span=cm.span(2), options=IntraOpOptions(time_limit_s=5))
     assert [s.group_index for s in sols] == [l.index for l in g.layers]

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
 
 from autopar import ir
+from autopar.ir.ops import KINDS, OP_RULES, canonical_op, op_cost
 from autopar.zoo import build, get_config
-from autopar.ir.ops import canonical_op, op_cost
 
 
 def megatron_train_flops(B: int, s: int, l: int, h: int, V: int) -> float:
@@ -189,6 +190,23 @@ def test_canonical_names_and_costs() -> None:
     kind, f, *_ = op_cost("conv", [m((1, 3, 8, 8), "float32"), m((16, 3, 3, 3), "float32")],
                           [m((1, 16, 8, 8), "float32")], {})
     assert kind == "conv" and f == 2 * 16 * 64 * 27
+
+
+def test_op_kinds_are_a_str_enum_equal_to_the_plain_strings() -> None:
+    # the vocabulary, in its order, as it was a tuple of strings: serialized kinds must not change
+    assert [str(k) for k in KINDS] == ["matmul", "attention", "conv", "embedding", "norm", "softmax", "loss",
+                                       "pointwise", "reduction", "copy", "gather", "creation", "view", "input",
+                                       "unknown"]
+    assert ir.OpKind.MATMUL == "matmul" and hash(ir.OpKind.MATMUL) == hash("matmul")
+    assert {"matmul": 1}[ir.OpKind.MATMUL] == 1 and f"{ir.OpKind.VIEW}" == "view"
+    assert all(isinstance(r.kind, ir.OpKind) for r in OP_RULES.values())
+    spec = build("gpt-tiny", batch=1, device="meta")
+    g = ir.trace(spec.model, spec.example_inputs)
+    assert all(isinstance(n.kind, ir.OpKind) for n in g.nodes)
+    assert json.dumps([n.kind for n in g.nodes]) == json.dumps([str(n.kind) for n in g.nodes])
+    plain = dataclasses.replace(g, nodes=tuple(dataclasses.replace(n, kind=str(n.kind)) for n in g.nodes))
+    hashes = lambda x: [(l.start, l.end, l.structural_hash) for l in x.layers]  # noqa: E731
+    assert plain.fingerprint == g.fingerprint and hashes(ir.group_layers(plain)) == hashes(g)
 
 
 def test_gpt3_175b_traces_on_meta() -> None:

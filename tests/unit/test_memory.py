@@ -5,9 +5,16 @@ from __future__ import annotations
 import pytest
 
 from autopar.ir.plan import MemoryBreakdown
-from autopar.planner.memory import (
-    GiB, MemoryReserve, activation_bytes, fits, in_flight_microbatches, korthikanti_layer_activation_bytes,
-    memory_breakdown, model_state_bytes, zero3_transient_bytes,
+from autopar.planner.inter_op.memory import (
+    GiB,
+    MemoryReserve,
+    activation_bytes,
+    fits,
+    in_flight_microbatches,
+    korthikanti_layer_activation_bytes,
+    memory_breakdown,
+    model_state_bytes,
+    zero3_transient_bytes,
 )
 
 

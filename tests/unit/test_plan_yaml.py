@@ -8,8 +8,17 @@ import pytest
 import yaml
 
 from autopar.ir.errors import SchemaError
-from autopar.ir.plan import (MemoryBreakdown, MeshPlan, OpSharding, ParamSharding, Plan, StagePlan, TimeBreakdown,
-                     plan_from_yaml, plan_to_yaml)
+from autopar.ir.plan import (
+    MemoryBreakdown,
+    MeshPlan,
+    OpSharding,
+    ParamSharding,
+    Plan,
+    StagePlan,
+    TimeBreakdown,
+    plan_from_yaml,
+    plan_to_yaml,
+)
 
 
 def make_plan(**over: object) -> Plan:

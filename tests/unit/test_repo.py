@@ -15,3 +15,14 @@ def test_ci_runs_the_readme_test_command() -> None:
     ci = (ROOT / ".ci" / "run").read_text()
     assert test_cmd in ci
     assert "torch==2.13.0" in ci and "triton==3.7.1" in ci
+
+
+def test_pyproject_lists_every_subpackage() -> None:
+    """setuptools installs exactly the packages pyproject.toml names; a new folder must be added there."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {"autopar"} | {"autopar." + ".".join(p.parent.relative_to(ROOT).parts)
+                           for sub in ("ir", "profiles", "planner", "codegen", "zoo")
+                           for p in (ROOT / sub).rglob("__init__.py")}
+    assert listed == found, f"not listed: {sorted(found - listed)}, listed but absent: {sorted(listed - found)}"

@@ -8,7 +8,7 @@ from collections import defaultdict, deque
 
 import pytest
 
-from autopar.planner.schedule import chrome_trace, peak_in_flight, rank_order, simulate
+from autopar.planner.inter_op.schedule import chrome_trace, peak_in_flight, rank_order, simulate
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from autopar.planner.stages import partition_stages, stage_cost
+from autopar.planner.inter_op.partition import partition_stages, stage_cost
 
 
 def _all_partitions(n: int, K: int):

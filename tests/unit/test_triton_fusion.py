@@ -3,15 +3,16 @@ eager loss and gradients."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.fx as fx
 
 from autopar import ir
-from autopar.codegen.fusion import FusionGroup, fuse_graph_module, fused_bytes_saved, fusion_groups, render_kernels
-from autopar.codegen.triton_gen import generate_source
+from autopar.codegen.kernels.fx_rewrite import fuse_graph_module
+from autopar.codegen.triton_gen import generate_source, render_kernels, spec_of
+from autopar.ir.passes import FusionGroup, fused_bytes_saved, fusion_groups
 from autopar.zoo import build
+
 from golden_files import GOLDEN_DIR, check_golden
 
 ZOO = ["gpt-tiny", "llama-tiny", "moe-tiny", "wrn-tiny", "mlp-tiny"]
@@ -111,7 +112,9 @@ def test_golden_block_kernels(graphs: dict[str, ir.Graph], name: str) -> None:
 def test_render_lists_every_kernel_once(graphs: dict[str, ir.Graph]) -> None:
     g = graphs["llama-tiny"]
     text = render_kernels(g)
-    specs = {x.spec for x in fusion_groups(g) if x.spec is not None}
+    groups = fusion_groups(g)
+    assert all((spec_of(x.kind, dict(x.attrs)) is not None) == x.has_kernel for x in groups)
+    specs = {spec_of(x.kind, dict(x.attrs)) for x in groups if x.has_kernel}
     assert text.count("@triton.jit") == sum(generate_source(s).count("@triton.jit") for s in specs)
     assert "eager pointwise runs" in text
 

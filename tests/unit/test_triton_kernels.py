@@ -12,9 +12,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from autopar.codegen.kernels import (cache_dir, eager_add_norm, eager_bias_act, eager_softmax, eager_swiglu, fused_add_norm,
-                             fused_bias_act, fused_dropout, fused_softmax, fused_swiglu, load_kernels)
 from autopar.codegen.kernels import cache as kcache
+from autopar.codegen.kernels import (
+    cache_dir,
+    eager_add_norm,
+    eager_bias_act,
+    eager_softmax,
+    eager_swiglu,
+    fused_add_norm,
+    fused_bias_act,
+    fused_dropout,
+    fused_softmax,
+    fused_swiglu,
+    load_kernels,
+)
 from autopar.codegen.triton_gen import KernelSpec, generate_source, source_hash
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

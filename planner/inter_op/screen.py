@@ -1,20 +1,21 @@
-"""Per-candidate costing for the outer search: layer tables, analytic screening, exact evaluation.
+"""Screening for the outer search: layer tables and the closed-form cost of a candidate.
 
 A *candidate* fixes the mesh ``(pp, dp, tp)``, the micro-batch size and count, the schedule (and virtual stages), the
 ZeRO level and a recompute mode.  The intra-op solver gives, for one ``(tp, micro_batch)`` pair, every layer group's
 forward/backward time (tp communication included), saved activation bytes under each recompute mode and parameter
 elements per device: a :class:`LayerTable`.  Screening then costs a candidate in microseconds with closed forms:
 
-* stages: the min-max contiguous partition of the group times into ``pp * v`` chunks (binary search on the
-  bottleneck + greedy fill, exact for non-negative weights);
+* stages: the min-max contiguous partition of the group times into ``pp * v`` chunks
+  (:func:`autopar.planner.inter_op.partition.minmax_partition`);
 * pipeline time (Narayanan et al. SC'21): ``(m - 1) * R + sum_k (f_k + b_k)`` for GPipe/1F1B and
   ``m * R + (pp - 1) * R / v`` for interleaved 1F1B, ``R`` the busiest rank's time per micro-batch, plus
   ``2 (K - 1)`` activation transfers on the fill/drain critical path;
 * data-parallel sync overlapped with the last micro-batch's backward; ZeRO-3 re-gathers parameters every micro-batch;
-* memory per rank from :mod:`autopar.planner.memory` with the schedule's in-flight micro-batches.
+* memory per rank from :mod:`autopar.planner.inter_op.memory` with the schedule's in-flight micro-batches.
 
-The best screened candidates are then evaluated exactly: memory-aware stage partition (:mod:`autopar.planner.stages`) and the
-event-driven schedule simulation (:mod:`autopar.planner.schedule`).
+The best screened candidates are then evaluated exactly (:mod:`autopar.planner.inter_op.evaluate`): memory-aware
+stage partition (:func:`autopar.planner.inter_op.partition.partition_stages`) and the event-driven schedule
+simulation (:mod:`autopar.planner.inter_op.schedule`).
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from autopar.ir.graph import DTYPE_BYTES, Graph, LayerGroup
-from autopar.planner.intra_op import GroupSolution
-from autopar.planner.memory import GiB, MemoryReserve, in_flight_microbatches, memory_breakdown
+from autopar.planner.inter_op.memory import GiB, MemoryReserve, in_flight_microbatches, memory_breakdown
+from autopar.planner.inter_op.partition import minmax_partition, rank_chunks
+from autopar.planner.intra_op.solve import GroupSolution
 from autopar.profiles.cost import CostModel
 
-__all__ = ["LayerTable", "Candidate", "Screened", "layer_table", "minmax_partition", "screen", "ADAM_STEP_BYTES",
-           "group_placements", "in_flight", "reserve_for", "dp_sync_time", "zero3_gather_exposed", "rank_chunks", "divisors"]
+__all__ = ["LayerTable", "Candidate", "Screened", "layer_table", "screen", "ADAM_STEP_BYTES", "group_placements",
+           "in_flight", "reserve_for", "dp_sync_time", "zero3_gather_exposed", "divisors"]
 
 ADAM_STEP_BYTES = 28.0
 """Bytes an Adam step moves per parameter: fp32 master, m and v read+written (24) + gradient read + param write."""
@@ -120,39 +122,6 @@ def layer_table(graph: Graph, sols: tuple[GroupSolution, ...], tp: int, micro_ba
         solve_s=sum(s.wall_s for s in sols))
 
 
-def minmax_partition(times: list[float], k: int) -> list[tuple[int, int]] | None:
-    """Split ``times`` into ``k`` non-empty contiguous ranges minimizing the largest range sum (exact)."""
-    n = len(times)
-    if k > n or k < 1:
-        return None
-
-    def fill(limit: float) -> list[tuple[int, int]]:
-        out, start, acc = [], 0, 0.0
-        for i, t in enumerate(times):
-            if i > start and acc + t > limit:
-                out.append((start, i))
-                start, acc = i, 0.0
-            acc += t
-        out.append((start, n))
-        return out
-
-    lo, hi = max(times), sum(times)
-    for _ in range(100):
-        if hi - lo <= 1e-12 * max(hi, 1e-30):
-            break
-        mid = (lo + hi) / 2
-        if len(fill(mid)) <= k:
-            hi = mid
-        else:
-            lo = mid
-    best = fill(hi)
-    while len(best) < k:  # split the heaviest multi-item range: the maximum cannot grow
-        j = max((i for i, (a, b) in enumerate(best) if b - a > 1), key=lambda i: sum(times[best[i][0]:best[i][1]]))
-        a, b = best[j]
-        best[j:j + 1] = [(a, b - 1), (b - 1, b)]
-    return best
-
-
 @dataclass(frozen=True, slots=True)
 class Candidate:
     pp: int
@@ -208,10 +177,6 @@ def zero3_gather_exposed(cost: CostModel, param_bytes: float, dp: int, tp: int, 
         return 0.0
     per_mb = 2 * cost.collective_time("all_gather", param_bytes, span=cost.span(dp, tp))
     return max(0.0, per_mb - rank_time) * m
-
-
-def rank_chunks(chunks: list[tuple[int, int]], pp: int, rank: int) -> list[tuple[int, int]]:
-    return chunks[rank::pp]
 
 
 def screen(cand: Candidate, table: LayerTable, cost: CostModel, *, dtype: str, capacity: float,

@@ -11,7 +11,13 @@ from __future__ import annotations
 import pytest
 
 from autopar.planner.calibration import (
-    DEFAULT_CASES, calibrate_case, check_iteration, fit_sustained_fraction, load_cases, load_published, megatron_flops,
+    DEFAULT_CASES,
+    calibrate_case,
+    check_iteration,
+    fit_sustained_fraction,
+    load_cases,
+    load_published,
+    megatron_flops,
 )
 from autopar.profiles.builtin import load_builtin
 

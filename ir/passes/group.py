@@ -1,4 +1,4 @@
-"""Layer grouping: cut a graph into the ordered layer sequence the planner works on.
+"""The ``group`` pass: cut a graph into the ordered layer sequence the planner works on.
 
 A *block* is a module at the shortest path that ends in an index (``blocks.3``, ``model.layers.17``, ``layer2.1``):
 the children of an ``nn.ModuleList``/``nn.Sequential``.  Every node belongs to the block its module path starts with;
@@ -18,8 +18,10 @@ import json
 from dataclasses import replace
 
 from autopar.ir.graph import Graph, LayerGroup, Node
+from autopar.ir.ops import OpKind
 
 __all__ = ["group_layers", "block_key", "structural_hash"]
+
 
 def block_key(module_path: str) -> str | None:
     """Shortest prefix of ``module_path`` that ends in a numeric component, or None."""
@@ -60,9 +62,12 @@ def structural_hash(graph: Graph, nodes: tuple[Node, ...], prefix: str) -> str:
 
 
 def group_layers(graph: Graph, module_types: dict[str, str] | None = None) -> Graph:
-    """Return ``graph`` with ``layers`` set to its ordered layer groups."""
+    """Return ``graph`` with ``layers`` set to its ordered layer groups (any previous grouping is replaced).
+
+    ``module_types`` maps a block's module path to its class name (``LayerGroup.module_type``); without it a block
+    takes the type of a node whose module path is the block itself, or ``""``."""
     nodes = graph.nodes
-    keys = [None if n.kind == "input" else block_key(n.module_path) for n in nodes]
+    keys = [None if n.kind == OpKind.INPUT else block_key(n.module_path) for n in nodes]
     block_idx = [i for i, k in enumerate(keys) if k is not None]
     groups: list[tuple[int, int, str, str]] = []  # (start, end, key, role)
     if not block_idx:

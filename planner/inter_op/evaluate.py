@@ -1,8 +1,9 @@
 """Exact evaluation of one screened candidate and its assembly into an :class:`autopar.ir.Plan`.
 
-Stages come from the memory-aware partitioner (:func:`autopar.planner.stages.partition_stages`); each pipeline rank then
-takes the least recomputation that still fits (later 1F1B stages hold fewer micro-batches, so they often need none);
-the iteration is simulated event by event (:func:`autopar.planner.schedule.simulate`).  Time is reported as
+Stages come from the memory-aware partitioner (:func:`autopar.planner.inter_op.partition.partition_stages`); each
+pipeline rank then takes the least recomputation that still fits (later 1F1B stages hold fewer micro-batches, so they
+often need none); the iteration is simulated event by event (:func:`autopar.planner.inter_op.schedule.simulate`).
+Time is reported as
 
     total = compute + exposed communication + bubble + optimizer step
 
@@ -16,13 +17,30 @@ from dataclasses import replace
 from typing import Sequence
 
 from autopar.ir.graph import DTYPE_BYTES, Graph
-from autopar.ir.plan import MemoryBreakdown, MeshPlan, OpSharding, ParamSharding, Plan, SolverReport, StagePlan, TimeBreakdown
-from autopar.planner.costing import (ADAM_STEP_BYTES, LayerTable, Screened, dp_sync_time, group_placements, in_flight,
-                             reserve_for, zero3_gather_exposed)
-from autopar.planner.memory import memory_breakdown, model_state_bytes
+from autopar.ir.plan import (
+    MemoryBreakdown,
+    MeshPlan,
+    OpSharding,
+    ParamSharding,
+    Plan,
+    SolverReport,
+    StagePlan,
+    TimeBreakdown,
+)
+from autopar.planner.inter_op.memory import memory_breakdown, model_state_bytes
+from autopar.planner.inter_op.partition import partition_stages, rank_chunks
+from autopar.planner.inter_op.schedule import ScheduleResult, simulate
+from autopar.planner.inter_op.screen import (
+    ADAM_STEP_BYTES,
+    LayerTable,
+    Screened,
+    dp_sync_time,
+    group_placements,
+    in_flight,
+    reserve_for,
+    zero3_gather_exposed,
+)
 from autopar.planner.options import PlanOptions
-from autopar.planner.schedule import ScheduleResult, simulate
-from autopar.planner.stages import partition_stages
 from autopar.profiles.cost import CostModel
 from autopar.profiles.schema import ClusterProfile
 
@@ -89,7 +107,7 @@ def evaluate_stages(table: LayerTable, s: Screened, cost: CostModel, options: Pl
         allowed = (c.recompute,)
     rcs, mems = [], []
     for r in range(pp):
-        mine = list(chunks[r::pp])
+        mine = list(rank_chunks(chunks, pp, r))
         for rc in allowed:
             mem = _rank_memory(table, mine, rc, flights[r], s, cost, mixed, n)
             if mem.total <= mem.capacity:
@@ -108,7 +126,7 @@ def evaluate_stages(table: LayerTable, s: Screened, cost: CostModel, options: Pl
     item = DTYPE_BYTES.get(options.dtype, 4)
     sync, gathers, opt = [], [], 0.0
     for r in range(pp):
-        mine = list(chunks[r::pp])
+        mine = list(rank_chunks(chunks, pp, r))
         params = _rank_params(table, mine, n)
         sync.append(dp_sync_time(cost, params * item, c.dp, c.tp, c.zero))
         rank_time = sum(fwd[k] + bwd[k] for k in range(r, len(chunks), pp))

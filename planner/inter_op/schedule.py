@@ -46,7 +46,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from autopar.ir.plan import Schedule
+from autopar.ir.placement import Schedule
 
 __all__ = [
     "OpEvent", "ScheduleResult", "rank_order", "simulate", "peak_in_flight", "chrome_trace", "SCHEDULES",

@@ -1,12 +1,12 @@
-"""Graph passes: pure functions ``Graph -> Graph`` (run ``autopar.ir.verify`` after each in tests)."""
+"""The ``decompose`` pass: fused attention written out as the unfused ops of pre-FlashAttention frameworks."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
 from autopar.ir.graph import Graph, Node, TensorMeta
-from autopar.ir.layers import group_layers
 from autopar.ir.ops import op_cost
+from autopar.ir.passes.group import group_layers
 
 __all__ = ["decompose_attention"]
 
@@ -26,6 +26,9 @@ def decompose_attention(graph: Graph, *, dropout_p: float = 0.0) -> Graph:
     score tensors are materialized, so their memory traffic and the activations they pin for backward (Korthikanti et
     al. 2022's ``5as/h`` term) show up in the costs.  Use it to cost frameworks that do not use flash attention,
     e.g. when comparing against published Megatron-LM (2021) measurements.
+
+    A grouped graph stays grouped: its layer groups are recomputed over the new nodes (same boundaries, new structural
+    hashes) and keep their module types; an ungrouped graph stays ungrouped.
     """
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
@@ -56,4 +59,7 @@ def decompose_attention(graph: Graph, *, dropout_p: float = 0.0) -> Graph:
         nodes.append(_node(n.name, "matmul", (last, v), [scores, mv], n.out, n))
     if not changed:
         return graph
-    return group_layers(replace(graph, nodes=tuple(nodes), layers=()))
+    out = replace(graph, nodes=tuple(nodes), layers=())
+    if not graph.layers:
+        return out
+    return group_layers(out, {g.module_path: g.module_type for g in graph.layers if g.module_type})

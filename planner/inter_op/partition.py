@@ -1,17 +1,27 @@
-"""Stage partitioner: cut a sequence of layer groups into pipeline stages, min-max stage time under memory limits.
+"""Stage partitioner: the one place that cuts the sequence of layer groups into pipeline stages.
 
-Pure solver core over plain costs (no I/O), so tests compare it with brute-force enumeration (as alpa's stage DP
-tests do).
+Layer groups ``0..n-1`` (cuts only between groups) are split into ``K = pp * v`` contiguous, non-empty virtual
+stages, each given as ``(start, end)``: groups ``start..end-1``. Virtual stage ``k`` runs on rank ``k % pp``
+(round-robin chunks, Narayanan et al. SC'21): :func:`rank_chunks`. The same problem is solved at two levels of
+detail:
 
-**Formulation.** Layer groups ``0..n-1`` (cuts only between groups) are split into ``K = pp * v`` contiguous,
-non-empty virtual stages; virtual stage ``k`` runs on rank ``k % pp`` (round-robin chunks, Narayanan et al. SC'21).
-For stage ``k = [i, j)``:
+* :func:`minmax_partition`, for screening (every candidate, microseconds): time only. It minimizes the largest stage
+  time ``sum(time[i:j])`` by binary search on the bottleneck and a greedy fill (exact for non-negative weights),
+  ignoring memory and transfers.
+* :func:`partition_stages`, exact (the search's finalists): stage time with its outgoing transfer, under memory
+  limits, with a balanced-memory tie-break; the dynamic program below. :func:`stage_cost` gives ``T_k`` and ``M_k``
+  of given cuts by the same formulas.
+
+Both are pure solver cores over plain costs (no I/O), so tests compare them with brute-force enumeration (as alpa's
+stage DP tests do).
+
+**Exact formulation.** For stage ``k = [i, j)``:
 
 - time ``T_k(i, j) = sum(time[i:j]) + (p2p(out_bytes[j-1], k) if k < K-1 else 0)``: compute of one micro-batch plus
   the transfer across its outgoing boundary (charged to the sender; the caller's ``p2p`` says whether that covers the
   forward activation and the backward gradient, usually both),
 - memory ``M_k(i, j) = sum(mem[i:j]) + in_flight(k) * sum(act[i:j])``: model state plus the activations of the
-  ``in_flight(k)`` micro-batches the schedule keeps alive on that stage (:mod:`autopar.planner.schedule`).
+  ``in_flight(k)`` micro-batches the schedule keeps alive on that stage (:mod:`autopar.planner.inter_op.schedule`).
 
 Objective: minimize the bottleneck ``max_k T_k`` (the steady-state pipeline period; total compute is fixed, so this
 also minimizes the iteration time ``~ sum_k T_k + (m - 1) max_k T_k`` up to transfers) subject to
@@ -37,8 +47,9 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import TypeVar
 
-__all__ = ["StagePartition", "partition_stages", "stage_cost"]
+__all__ = ["StagePartition", "partition_stages", "stage_cost", "minmax_partition", "rank_chunks"]
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +58,50 @@ P2PFn = Callable[[float, int], float]
 InFlightFn = Callable[[int], float]
 """``in_flight(k)``: micro-batches of activations virtual stage ``k`` holds at its peak."""
 _REL = 1e-9
+T = TypeVar("T")
 
 
+def rank_chunks(per_stage: Sequence[T], pp: int, rank: int) -> Sequence[T]:
+    """What rank ``rank`` holds of a per-virtual-stage sequence (cuts, memories...): stages ``rank, rank + pp, ...``
+    (round-robin)."""
+    return per_stage[rank::pp]
+
+
+# ---- screening: time only --------------------------------------------------------------------------------------
+def minmax_partition(times: list[float], k: int) -> list[tuple[int, int]] | None:
+    """Split ``times`` into ``k`` non-empty contiguous ranges minimizing the largest range sum (exact)."""
+    n = len(times)
+    if k > n or k < 1:
+        return None
+
+    def fill(limit: float) -> list[tuple[int, int]]:
+        out, start, acc = [], 0, 0.0
+        for i, t in enumerate(times):
+            if i > start and acc + t > limit:
+                out.append((start, i))
+                start, acc = i, 0.0
+            acc += t
+        out.append((start, n))
+        return out
+
+    lo, hi = max(times), sum(times)
+    for _ in range(100):
+        if hi - lo <= 1e-12 * max(hi, 1e-30):
+            break
+        mid = (lo + hi) / 2
+        if len(fill(mid)) <= k:
+            hi = mid
+        else:
+            lo = mid
+    best = fill(hi)
+    while len(best) < k:  # split the heaviest multi-item range: the maximum cannot grow
+        j = max((i for i, (a, b) in enumerate(best) if b - a > 1), key=lambda i: sum(times[best[i][0]:best[i][1]]))
+        a, b = best[j]
+        best[j:j + 1] = [(a, b - 1), (b - 1, b)]
+    return best
+
+
+# ---- exact: time and memory -----------------------------------------------------------------------------------
 @dataclass(kw_only=True, slots=True, frozen=True)
 class StagePartition:
     """Result of :func:`partition_stages`."""
@@ -156,7 +209,7 @@ def _partition(costs: _Costs, *, n: int, pp: int, v: int, capacity: float) -> St
     cuts = _cuts(arg, K, n)
     times = tuple(costs.t(k, i, j) for k, (i, j) in enumerate(cuts))
     mems = tuple(costs.m(k, i, j) for k, (i, j) in enumerate(cuts))
-    ranks = tuple(sum(mems[r::pp]) for r in range(pp))
+    ranks = tuple(sum(rank_chunks(mems, pp, r)) for r in range(pp))
     assert all(r <= capacity * (1 + _REL) for r in ranks)
     log.debug("partitioned %d groups into %d stages: bottleneck %.6gs, cuts %s", n, K, max(times), cuts)
     return StagePartition(feasible=True, boundaries=cuts, stage_time=times, stage_memory=mems, rank_memory=ranks,

@@ -1,8 +1,8 @@
-"""Fusion analysis: which chains of memory-bound ops run as one generated kernel.
+"""Fusion patterns: which chains of memory-bound ops run as one generated kernel.
 
-A pure analysis over :class:`autopar.ir.Graph` (one stage's nodes after sharding, or the whole graph): it returns
-:class:`FusionGroup` s and never edits the graph.  The same matcher runs on a ``torch.fx.GraphModule``
-(:func:`fuse_graph_module`, which rewrites the module to call the fused kernels).
+The matcher works on :class:`NodeView` s, the part of a node it needs, so the same rules run on the IR
+(:mod:`autopar.ir.passes.fuse`, the ``fuse`` pass and its analysis) and on a ``torch.fx.GraphModule``
+(:mod:`autopar.codegen.kernels.fx_rewrite`, which rewrites the module to call the fused kernels).
 
 Rules
 -----
@@ -26,25 +26,23 @@ Rules
                  for the cost model, executed eagerly; no kernel is generated for it).
 3. Every intermediate of a matched pattern (except the residual sum) must have all its users inside the group, so
    nothing fused away is needed later; a ``pointwise`` run ends at a value with outside users, or writes it out.
-4. Bytes: ``bytes_unfused`` is the sum of the members' IR bytes (each op reads its inputs and writes its outputs);
-   ``bytes_fused`` reads each outside input once and writes only values used outside the group.  The planner
-   discounts ``bytes_saved`` (see :func:`fused_bytes_saved`).
+
+The kinds with a generated kernel (:data:`KERNEL_KINDS`) are the vocabulary codegen's ``KernelSpec`` uses.
 """
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from autopar import ir
-from autopar.codegen.triton_gen import KernelSpec, generate_source
-from autopar.ir.graph import TensorMeta
+from autopar.ir.ops import OpKind
 
-__all__ = ["FusionGroup", "fusion_groups", "fused_bytes_saved", "apply_fused_bytes", "render_kernels",
-           "fuse_graph_module", "Match", "NodeView", "match_patterns"]
+__all__ = ["NodeView", "Match", "match_patterns", "KERNEL_KINDS", "EAGER_KIND"]
 
-log = logging.getLogger(__name__)
+KERNEL_KINDS: tuple[str, ...] = ("bias_act", "swiglu", "add_norm", "softmax", "dropout")
+"""Pattern kinds that run as one generated kernel, in codegen's order."""
+EAGER_KIND = "pointwise"
+"""The group kind counted by the cost analysis but executed eagerly (no generated kernel)."""
 
 _ACTS = {"gelu", "silu", "relu"}
 
@@ -55,7 +53,8 @@ class NodeView:
 
     name: str
     op: str
-    kind: str
+    """Canonical op name (``autopar.ir.ops.canonical_op``)."""
+    kind: OpKind
     inputs: tuple[str, ...]
     """Tensor inputs (node names, parameter FQNs) in argument order."""
     params: tuple[str, ...] = ()
@@ -83,49 +82,6 @@ class Match:
 
     def attr(self, key: str, default: Any = None) -> Any:
         return dict(self.attrs).get(key, default)
-
-
-@dataclass(frozen=True, slots=True)
-class FusionGroup:
-    """A fused group of IR nodes."""
-
-    kind: str
-    """``add_norm``, ``swiglu``, ``bias_act``, ``softmax``, ``dropout`` or ``pointwise``."""
-    nodes: tuple[str, ...]
-    inputs: tuple[tuple[str, TensorMeta], ...]
-    """Values read from outside the group (node names or parameter FQNs) with their metas."""
-    outputs: tuple[tuple[str, TensorMeta], ...]
-    """Values written by the group (used outside it, or graph outputs)."""
-    ops: tuple[str, ...]
-    """The members' canonical ops, in order."""
-    attrs: tuple[tuple[str, Any], ...] = ()
-    bytes_unfused: float = 0.0
-    bytes_fused: float = 0.0
-
-    @property
-    def bytes_saved(self) -> float:
-        return max(0.0, self.bytes_unfused - self.bytes_fused)
-
-    @property
-    def spec(self) -> KernelSpec | None:
-        """The kernel spec, or None for ``pointwise`` groups (executed eagerly)."""
-        return spec_of(self.kind, dict(self.attrs))
-
-
-def spec_of(kind: str, a: dict[str, Any]) -> KernelSpec | None:
-    """Kernel spec of a match/group kind with its attributes."""
-    if kind == "bias_act":
-        return KernelSpec(kind="bias_act", act=a["act"], bias=bool(a.get("bias")))
-    if kind == "swiglu":
-        return KernelSpec(kind="swiglu")
-    if kind == "add_norm":
-        return KernelSpec(kind="add_norm", norm=a["norm"], residual=bool(a.get("residual")),
-                          weight=bool(a.get("weight", True)), norm_bias=bool(a.get("norm_bias")))
-    if kind == "softmax":
-        return KernelSpec(kind="softmax", scale=a.get("scale") is not None)
-    if kind == "dropout":
-        return KernelSpec(kind="dropout")
-    return None
 
 
 # ---- matcher -----------------------------------------------------------------------------------------------------
@@ -291,147 +247,3 @@ def match_patterns(views: Iterable[NodeView], outputs: Iterable[str] = ()) -> li
     c = _Ctx(views, outputs)
     return [*_norms(c), *_swiglus(c), *_bias_acts(c), *_softmaxes(c), *_dropouts(c)]
 
-
-# ---- IR front end ------------------------------------------------------------------------------------------------
-def _ir_view(n: ir.Node) -> NodeView:
-    attrs = {k: v for k, v in n.attrs if k != "args"}
-    return NodeView(n.name, n.op, n.kind, n.inputs, n.params, tuple(n.attr("args", ()) or ()), attrs)
-
-
-def _pointwise_runs(graph: ir.Graph, names: list[str], taken: set[str]) -> list[list[str]]:
-    """Connected runs of >= 2 free pointwise nodes whose outputs have the same number of elements."""
-    parent: dict[str, str] = {}
-
-    def find(a: str) -> str:
-        while parent[a] != a:
-            parent[a] = parent[parent[a]]
-            a = parent[a]
-        return a
-
-    cand = [n for n in names if n not in taken and graph.node(n).kind == "pointwise"]
-    for n in cand:
-        parent[n] = n
-    for n in cand:
-        node = graph.node(n)
-        for i in node.activation_inputs:
-            if i in parent and graph.node(i).out.numel == node.out.numel:
-                parent[find(i)] = find(n)
-    runs: dict[str, list[str]] = {}
-    for n in cand:
-        runs.setdefault(find(n), []).append(n)
-    return [r for r in runs.values() if len(r) >= 2]
-
-
-def _meta(graph: ir.Graph, value: str) -> TensorMeta | None:
-    if graph.has_node(value):
-        return graph.node(value).out
-    p = graph.param_map.get(value)
-    return p.meta if p is not None else None
-
-
-def _make_group(graph: ir.Graph, kind: str, members: tuple[str, ...], attrs: tuple[tuple[str, Any], ...],
-                scope: set[str]) -> FusionGroup:
-    inside = set(members)
-    nodes = [graph.node(m) for m in members]
-    ins: dict[str, TensorMeta] = {}
-    for n in nodes:
-        for i in n.inputs:
-            meta = _meta(graph, i)
-            if i not in inside and meta is not None:
-                ins.setdefault(i, meta)
-    outs: dict[str, TensorMeta] = {}
-    for n in nodes:
-        users = graph.users.get(n.name, ())
-        if n.name == members[-1] or n.name in graph.outputs or any(u not in inside for u in users):
-            outs[n.name] = n.out
-    unfused = float(sum(n.bytes_read + n.bytes_written for n in nodes))
-    fused = float(sum(m.nbytes for m in ins.values()) + sum(m.nbytes for m in outs.values()))
-    return FusionGroup(kind, members, tuple(ins.items()), tuple(outs.items()), tuple(n.op for n in nodes), attrs,
-                       unfused, fused)
-
-
-def fusion_groups(graph: ir.Graph, nodes: Iterable[str] | None = None) -> tuple[FusionGroup, ...]:
-    """Fusion groups of ``graph`` (restricted to ``nodes``, e.g. one pipeline stage), in graph order."""
-    names = [n.name for n in graph.nodes] if nodes is None else [n for n in nodes if graph.has_node(n)]
-    scope = set(names)
-    views = [_ir_view(graph.node(n)) for n in names]
-    # values leaving the scope count as outputs, so a stage never fuses away a value another stage reads
-    leaving = {n for n in names if n in graph.outputs or any(u not in scope for u in graph.users.get(n, ()))}
-    groups = [_make_group(graph, m.kind, m.nodes, m.attrs, scope) for m in match_patterns(views, leaving)]
-    taken = {n for g in groups for n in g.nodes}
-    for run in _pointwise_runs(graph, names, taken):
-        groups.append(_make_group(graph, "pointwise", tuple(run), (), scope))
-    groups.sort(key=lambda g: graph.index(g.nodes[0]))
-    return tuple(groups)
-
-
-def fused_bytes_saved(graph: ir.Graph, nodes: Iterable[str] | None = None, *,
-                      kernels_only: bool = False) -> dict[str, float]:
-    """Bytes each node no longer moves thanks to fusion: a group's ``bytes_saved`` split over its members in
-    proportion to their unfused bytes (nodes outside groups are absent).  Subtract from a node's bytes to cost it.
-    ``kernels_only`` leaves out the ``pointwise`` runs, which have no generated kernel and run eagerly."""
-    out: dict[str, float] = {}
-    for g in fusion_groups(graph, nodes):
-        if g.bytes_saved <= 0.0 or g.bytes_unfused <= 0.0 or (kernels_only and g.spec is None):
-            continue
-        for name in g.nodes:
-            n = graph.node(name)
-            out[name] = g.bytes_saved * (n.bytes_read + n.bytes_written) / g.bytes_unfused
-    return out
-
-
-def apply_fused_bytes(graph: ir.Graph) -> ir.Graph:
-    """A pass (``Graph -> Graph``): ``graph`` with every fused node's ``bytes_read``/``bytes_written`` reduced by
-    its share of :func:`fused_bytes_saved`, so that a cost model summing node bytes counts a fused group's bytes once.
-
-    Groups are matched per layer group (``graph.layers``; the whole graph when there are none), exactly as the runtime
-    fuses each layer-group module, so no group spans two layer groups (or two pipeline stages) and identical blocks
-    get identical savings.  Only groups with a generated kernel count: the ``pointwise`` runs execute eagerly.  Layer groups, names, FLOPs and the fingerprint are unchanged; a node keeps its read/write
-    split (both scale by ``1 - saved / (read + written)``)."""
-    scopes = [[n.name for n in graph.group_nodes(g)] for g in graph.layers] or [[n.name for n in graph.nodes]]
-    saved: dict[str, float] = {}
-    for names in scopes:
-        saved.update(fused_bytes_saved(graph, names, kernels_only=True))
-    nodes = []
-    for n in graph.nodes:
-        total = n.bytes_read + n.bytes_written
-        s = saved.get(n.name, 0.0)
-        if s <= 0.0 or total <= 0.0:
-            nodes.append(n)
-            continue
-        keep = max(0.0, 1.0 - s / total)
-        nodes.append(replace(n, bytes_read=n.bytes_read * keep, bytes_written=n.bytes_written * keep))
-    log.debug("fusion saves %.3g of %.3g forward bytes", sum(saved.values()),
-              sum(n.bytes_read + n.bytes_written for n in graph.nodes))
-    return replace(graph, nodes=tuple(nodes))
-
-
-def render_kernels(graph: ir.Graph, nodes: Iterable[str] | None = None) -> str:
-    """The generated Triton source for every distinct fused kernel of ``graph``, each under a comment listing the
-    groups that use it (``autopar show plan.yaml --kernels``)."""
-    groups = fusion_groups(graph, nodes)
-    by_spec: dict[KernelSpec, list[FusionGroup]] = {}
-    eager: list[FusionGroup] = []
-    for g in groups:
-        spec = g.spec
-        if spec is None:
-            eager.append(g)
-        else:
-            by_spec.setdefault(spec, []).append(g)
-    parts = [f"# {graph.model_name}: {len(groups)} fusion group(s), {len(by_spec)} distinct kernel(s)\n"]
-    for spec, gs in by_spec.items():
-        saved = sum(g.bytes_saved for g in gs)
-        parts.append(f"\n# ==== {spec.name}: {len(gs)} group(s), {saved / 1e6:.3f} MB saved per step (fwd)\n")
-        parts += [f"#   {' -> '.join(g.nodes)}\n" for g in gs]
-        parts.append(generate_source(spec))
-    if eager:
-        parts.append(f"\n# ==== eager pointwise runs (no generated kernel): {len(eager)}\n")
-        parts += [f"#   {' -> '.join(g.nodes)} ({', '.join(g.ops)})\n" for g in eager]
-    return "".join(parts)
-
-
-def fuse_graph_module(gm: Any, *, enabled: bool | None = None) -> Any:
-    """Rewrite a ``torch.fx.GraphModule`` (from ``torch.fx.symbolic_trace``) to call the fused kernels; see
-    :func:`autopar.codegen.kernels.fx_rewrite.fuse_graph_module`."""
-    from autopar.codegen.kernels.fx_rewrite import fuse_graph_module as _fuse
-    return _fuse(gm, enabled=enabled)

@@ -1,26 +1,51 @@
 """The CP-SAT core of the intra-op (tensor-parallel) sharding solver: plain costs in, choices out, no I/O.
 
 Formulation (Alpa, Zheng et al. OSDI'22 Sec. 4.2; tight edge variables as in meta-pytorch/autoparallel
-``optimize_sharding.py``). For the nodes V of one layer group, strategies S_v (:mod:`autopar.planner.strategies`) and data
-edges E between them:
+``optimize_sharding.py``). The choosers V are the nodes of one layer group, each with its strategies S_v
+(:mod:`autopar.planner.intra_op.rules`), plus pseudo-nodes whose "strategies" are placements: the residual input of
+the group, and every parameter read by several nodes. E are the data edges ``e = (u -> v)``, v reading u's output.
 
-* choice      x[v,s] in {0,1},   sum_s x[v,s] = 1                                   (add_one_choice_constraint)
-* edges       y[e,s,s'] in {0,1} for e = (u -> v) reading u's output at argument i:
-              sum_s' y[e,s,s'] = x[u,s]  for all s,   sum_s y[e,s,s'] = x[v,s']  for all s'   (add_edge_constraint)
-              y[e,s,s'] = 0 when out(u,s) cannot be resharded to in(v,s',i) (R->P, S->P)
-* equalities  key_a(s) = key_b(s') for linked choices:  sum_{s: key_a(s)=k} x[a,s] = sum_{s': key_b(s')=k} x[b,s']
-              for every key k (add_equal_constraint). Used for (1) a parameter read by several nodes (tied weights):
-              a pseudo-node p[w,placement] equal to each reader's placement of w; (2) a repeated block's residual
-              input (a pseudo-node: the group's external input placement, chosen by the solver) equal to its output
-              placement, so identical blocks chain without resharding.
-* memory      sum_{v,s} saved(v,s) x[v,s] <= budget                                  (add_memory_constraint)
-* objective   min sum_{v,s} c(v,s) x[v,s] + sum_{e,s,s'} r(e,s,s') y[e,s,s']
-              c = forward + backward compute on one device + the tp all-reduce of partial weight gradients;
-              r = forward reshard of the value + backward reshard of its gradient (see :class:`_Coster`);
-              costs in integer nanoseconds.
+Variables
 
-:func:`solve_costs` takes plain costs and does no I/O, so tests compare it with brute-force enumeration;
-:mod:`autopar.planner.intra_op` builds those costs from a layer group of the graph.
+* ``x[v,s] in {0,1}``: node v runs strategy s.
+* ``y[e,s,s'] in {0,1}``: edge e joins choice s of u with choice s' of v; created only for allowed pairs (the value
+  ``out(u,s)`` can be resharded to ``in(v,s')``: ``R -> P`` and ``S -> P`` cannot), and only for edges that cost
+  something or share a collective (an edge whose every pair is allowed and free constrains nothing).
+* ``z[g,k] in {0,1}``: conversion k (a collective, keyed by direction and (source, target) placement) of the value
+  of shared group g is paid (created for conversions that cost something). A shared group is the two or more edges
+  that read the same value: one collective serves every consumer that needs the same conversion (and their gradients
+  are summed before one reshard).
+
+Objective (seconds, scaled to integer nanoseconds)
+
+    min  sum_{v,s} c(v,s) x[v,s]  +  sum_{e,s,s'} r(e,s,s') y[e,s,s']  +  sum_{g,k} C(g,k) z[g,k]
+
+* ``c(v,s)``: forward + backward compute on one device, the conversions of side inputs and outputs that cross the
+  group boundary, the tp all-reduce of partial weight gradients; and, in the memory-lean variant, the Lagrangian
+  price on parameter memory ``lambda * B * local_elems(v,s)`` (``lambda = param_byte_price_s``, ``B =
+  param_state_bytes``, local elements of the parameters the strategy reads: ``numel / t`` sharded, ``numel``
+  replicated; a tied parameter is priced once, on its pseudo-node). ``c = INF`` forbids the choice.
+* ``r(e,s,s')``: forward reshard of the value + backward reshard of its gradient, for an edge alone in its group;
+  0 for edges of a shared group, whose costs are the ``C(g,k)`` instead.
+
+Constraints (one ``add_<name>_constraint`` each)
+
+* one choice     ``sum_s x[v,s] = 1``                                           (add_one_choice_constraint)
+* forbidden      ``x[v,s] = 0`` where ``c(v,s) = INF``                          (add_forbidden_choice_constraint)
+* edge (tight)   ``sum_s' y[e,s,s'] = x[u,s]`` for all s and ``sum_s y[e,s,s'] = x[v,s']`` for all s', the sums
+                 over allowed pairs only, so a forbidden pair cannot be chosen    (add_edge_constraint)
+* shared cost    ``z[g,k] >= y[e,s,s']`` for every edge e of g and pair (s,s') needing conversion k
+                                                                                (add_shared_cost_constraint)
+* equality       ``sum_{s: key_a(s)=k} x[a,s] = sum_{s': key_b(s')=k} x[b,s']`` for every key k
+                 (add_equal_constraint). Used for (1) a parameter read by several nodes (tied weights): its
+                 pseudo-node's placement equals each reader's placement of it; (2) a repeated block's residual input
+                 (a pseudo-node) equals its output placement, so identical blocks chain without resharding.
+* memory         ``sum_{v,s} saved(v,s) x[v,s] <= budget``: activation bytes saved for backward
+                                                                                (add_memory_constraint)
+
+:func:`solve_costs` takes plain costs and does no I/O, so tests compare it with brute-force enumeration
+(:func:`evaluate_costs` is the objective of one assignment); :mod:`autopar.planner.intra_op.model` builds those costs
+from a layer group of the graph.
 """
 
 from __future__ import annotations
@@ -32,8 +57,8 @@ from typing import Hashable, NamedTuple, Sequence
 from ortools.sat.python import cp_model
 
 __all__ = ["IntraOpOptions", "CoreSolution", "Edge", "EqualPair", "Shared", "INF", "solve_costs", "evaluate_costs",
-           "add_one_choice_constraint", "add_edge_constraint", "add_equal_constraint", "add_memory_constraint",
-           "add_shared_cost_constraint"]
+           "add_one_choice_constraint", "add_forbidden_choice_constraint", "add_edge_constraint",
+           "add_equal_constraint", "add_memory_constraint", "add_shared_cost_constraint"]
 
 INF = math.inf
 _NS = 1e9
@@ -83,9 +108,20 @@ def add_one_choice_constraint(model: cp_model.CpModel, x: list[list[cp_model.Int
         model.AddExactlyOne(xs)
 
 
+def add_forbidden_choice_constraint(model: cp_model.CpModel, x: list[list[cp_model.IntVar]],
+                                    node_cost: Sequence[Sequence[float]]) -> None:
+    """x[v,s] = 0 for every choice whose cost c(v,s) is INF."""
+    for v, cs in enumerate(node_cost):
+        for s, c in enumerate(cs):
+            if c == INF:
+                model.Add(x[v][s] == 0)
+
+
 def add_edge_constraint(model: cp_model.CpModel, x: list[list[cp_model.IntVar]], u: int, v: int,
                         y: dict[tuple[int, int], cp_model.IntVar]) -> None:
-    """sum_s' y[e,s,s'] = x[u,s] for all s;  sum_s y[e,s,s'] = x[v,s'] for all s' (missing y are fixed to 0)."""
+    """sum_s' y[e,s,s'] = x[u,s] for all s;  sum_s y[e,s,s'] = x[v,s'] for all s'.
+
+    ``y`` holds the allowed pairs of edge e = (u -> v) only; a missing pair is a forbidden reshard, fixed to 0."""
     for s in range(len(x[u])):
         model.Add(sum(y[s, s2] for s2 in range(len(x[v])) if (s, s2) in y) == x[u][s])
     for s2 in range(len(x[v])):
@@ -136,20 +172,16 @@ def solve_costs(num_choices: Sequence[int], node_cost: Sequence[Sequence[float]]
                 equal_pairs: Sequence[EqualPair] = (), shared: Sequence[Shared] = (),
                 hint: Sequence[int] | None = None,
                 options: IntraOpOptions = IntraOpOptions(), cost_scale: float = _NS) -> CoreSolution:
-    """Minimise node + edge costs (floats, INF = forbidden) subject to the constraints in the module docstring.
+    """Minimise node + edge + shared costs (floats, INF = forbidden) subject to the constraints in the module docstring.
 
     Costs are multiplied by ``cost_scale`` and rounded to integers for CP-SAT; ``objective`` and ``bound`` are
     returned in the original unit. Raises ValueError when the instance is infeasible (e.g. the memory budget)."""
     model = cp_model.CpModel()
     x = [[model.NewBoolVar(f"x{v}_{s}") for s in range(k)] for v, k in enumerate(num_choices)]
     add_one_choice_constraint(model, x)
-    terms: list[tuple[int, cp_model.IntVar]] = []
-    for v, cs in enumerate(node_cost):
-        for s, c in enumerate(cs):
-            if c == INF:
-                model.Add(x[v][s] == 0)
-            elif round(c * cost_scale):
-                terms.append((round(c * cost_scale), x[v][s]))
+    add_forbidden_choice_constraint(model, x, node_cost)
+    terms: list[tuple[int, cp_model.IntVar]] = [(round(c * cost_scale), x[v][s]) for v, cs in enumerate(node_cost)
+                                                for s, c in enumerate(cs) if c != INF and round(c * cost_scale)]
     in_shared = {e for es, _ in shared for e, _ in es}
     ys: list[dict[tuple[int, int], cp_model.IntVar]] = []
     for ei, (u, v, mat) in enumerate(edges):
@@ -197,5 +229,3 @@ def solve_costs(num_choices: Sequence[int], node_cost: Sequence[Sequence[float]]
     status = "optimal" if st == cp_model.OPTIMAL else "feasible"
     return CoreSolution(choices, obj / cost_scale, bound / cost_scale, status, gap)
 
-
-# ---- costs --------------------------------------------------------------------------------------------------------

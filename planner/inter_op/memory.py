@@ -14,11 +14,12 @@ layer's unsharded gradients exist until the reduce-scatter. We charge ``2 * P_la
 layer (compute precision) under "other".
 
 **Activations.** Bytes saved per micro-batch for a stage's layers (given by the caller for the stage's recompute
-mode) times the micro-batches in flight on that stage under the schedule (from :mod:`autopar.planner.schedule`): GPipe
-``m``; 1F1B ``min(pp - stage, m)``; interleaved 1F1B the simulator's per-rank peak in chunk-micro-batches divided by
-``v`` (equal chunks assumed): ``pp + (pp - 1) / v`` on the first rank (Korthikanti et al., "Reducing Activation
-Recomputation in Large Transformer Models", 2022, sec. 4.2). Full recomputation also rebuilds one layer's full
-activations during its backward: the largest layer's no-recompute bytes are added once.
+mode) times the micro-batches in flight on that stage under the schedule (from
+:mod:`autopar.planner.inter_op.schedule`): GPipe ``m``; 1F1B ``min(pp - stage, m)``; interleaved 1F1B the
+simulator's per-rank peak in chunk-micro-batches divided by ``v`` (equal chunks assumed): ``pp + (pp - 1) / v`` on
+the first rank (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", 2022, sec. 4.2).
+Full recomputation also rebuilds one layer's full activations during its backward: the largest layer's no-recompute
+bytes are added once.
 
 **Reserve** (:class:`MemoryReserve`): a fixed part for the CUDA context (~0.3-0.5 GiB), cuBLAS/cuDNN workspaces
 (tens of MiB), NCCL communicator buffers (``NCCL_BUFFSIZE`` 4 MiB per channel and peer, a few hundred MiB over the
@@ -35,8 +36,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from autopar.ir.plan import MemoryBreakdown, Recompute, Schedule
-from autopar.planner.schedule import peak_in_flight, rank_order
+from autopar.ir.placement import Recompute, Schedule
+from autopar.ir.plan import MemoryBreakdown
+from autopar.planner.inter_op.schedule import peak_in_flight, rank_order
 
 __all__ = [
     "GiB", "MemoryReserve", "model_state_bytes", "zero3_transient_bytes", "in_flight_microbatches",

@@ -1,0 +1,116 @@
+"""What a strategy costs on the tp group: :class:`_Coster` turns the graph's FLOPs and bytes into seconds.
+
+At the training dtype and micro-batch size (``scale`` times the traced batch), per device:
+
+* compute: forward and backward time of a node under a strategy doing ``frac`` of the work
+  (:meth:`_Coster.compute`); each backward GEMM is costed at forward size, memory-bound backward reads the output
+  gradient and re-reads the saved tensors;
+* resharding: the collective that turns a value (or its gradient) from one placement into another
+  (:meth:`_Coster.convert`, :meth:`_Coster.reshard`): ``P -> R`` all-reduce, ``P -> S`` reduce-scatter,
+  ``S -> R`` all-gather, ``S(d) -> S(d')`` all-to-all, ``R -> S`` a local slice, anything ``-> P`` forbidden (INF);
+* the tp all-reduce of partial weight gradients (:meth:`_Coster.grad_allreduce`) and saved-tensor bytes
+  (:meth:`_Coster.saved_bytes`).
+"""
+
+from __future__ import annotations
+
+from autopar.ir.graph import DTYPE_BYTES, FLOAT_DTYPES, Graph, Node, SavedTensor, TensorMeta
+from autopar.ir.placement import is_shard
+from autopar.planner.intra_op.cpsat import INF
+from autopar.planner.intra_op.strategy import Strategy
+from autopar.profiles.cost import CostModel, GroupSpan
+
+_KIND_MAP = {"loss": "other", "copy": "other", "gather": "other", "creation": "other", "unknown": "other"}
+
+
+class _Coster:
+    """Compute and resharding times on the tp group, at the training dtype and micro-batch size."""
+
+    def __init__(self, graph: Graph, cost: CostModel, span: GroupSpan, t: int, dtype: str, scale: float) -> None:
+        self.graph, self.cost, self.span, self.t, self.dtype, self.scale = graph, cost, span, t, dtype, scale
+        self.item = DTYPE_BYTES.get({"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype, dtype), 2)
+        self._coll: dict[tuple[str, float], float] = {}
+        self._saved: dict[str, float] = {}  # node -> bytes its backward re-reads (unsharded)
+        pm = graph.param_map
+        self.requires_grad: set[str] = set()
+        for n in graph.nodes:  # values that depend on a trainable parameter get gradients
+            if n.kind in ("input", "creation") or not n.outputs or n.out.dtype not in FLOAT_DTYPES:
+                continue
+            if any(i in self.requires_grad for i in n.activation_inputs) or any(
+                    p in pm and pm[p].kind == "param" and pm[p].meta.dtype in FLOAT_DTYPES for p in n.params):
+                self.requires_grad.add(n.name)
+
+    def tensor_bytes(self, meta: TensorMeta, activation: bool = True) -> float:
+        item = self.item if meta.dtype in FLOAT_DTYPES else DTYPE_BYTES.get(meta.dtype, 4)
+        return meta.numel * item * (self.scale if activation else 1.0)
+
+    def coll(self, kind: str, nbytes: float) -> float:
+        key = (kind, nbytes)
+        if key not in self._coll:
+            self._coll[key] = self.cost.collective_time(kind, nbytes, span=self.span)
+        return self._coll[key]
+
+    def convert(self, src: str | None, dst: str | None, nbytes: float) -> tuple[float, str]:
+        """Time and collective to turn a value (or gradient) held as ``src`` into ``dst``."""
+        if src is None or dst is None or src == dst:
+            return 0.0, ""
+        if dst == "P":
+            return INF, ""
+        if src == "R":
+            return 0.0, ""  # local slice
+        if src == "P":
+            kind = "all_reduce" if dst == "R" else "reduce_scatter"
+            return self.coll(kind, nbytes), kind
+        if dst == "R":
+            return self.coll("all_gather", nbytes), "all_gather"
+        return self.coll("all_to_all", nbytes / self.t), "all_to_all"
+
+    def reshard(self, out: str, need_in: str | None, grad: str | None, nbytes: float,
+                rg: bool = True) -> tuple[float, float, str, str]:
+        """(fwd s, bwd s, fwd collective, bwd collective) of one edge: value out -> need_in, gradient grad -> the
+        producer's gradient placement (R for a P output, else the output placement); no gradient unless ``rg``."""
+        grad = grad if rg else None
+        f, fk = self.convert(out, need_in, nbytes)
+        b, bk = self.convert(grad, "R" if out == "P" else out, nbytes) if f != INF else (0.0, "")
+        return f, b, fk, bk
+
+    def node_bytes(self, node: Node) -> float:
+        pm = self.graph.param_map
+        pbytes = sum(pm[p].meta.nbytes for p in node.params if p in pm) if node.kind != "embedding" else 0.0
+        act = max(0.0, node.bytes_read + node.bytes_written - pbytes)
+        traced = next((o.dtype for o in node.outputs if o.dtype in FLOAT_DTYPES), None)
+        ratio = self.item / DTYPE_BYTES[traced] if traced else 1.0
+        pratio = sum(self.item * pm[p].meta.numel for p in node.params if p in pm) / pbytes if pbytes else 1.0
+        return pbytes * pratio + act * self.scale * ratio
+
+    def compute(self, node: Node, strat: Strategy) -> tuple[float, float]:
+        kind = _KIND_MAP.get(node.kind, node.kind)
+        if kind in ("view", "input") or not node.outputs:
+            return 0.0, 0.0
+        f, nb = strat.frac, self.node_bytes(node)
+        fwd = self.cost.op_time(node.flops_fwd * self.scale * f, nb * f, self.dtype, kind)
+        has_grad = any(m is not None and m.dtype in FLOAT_DTYPES
+                       for m in (self.graph.input_meta(node, i) for i in range(len(node.inputs))))
+        if not has_grad or node.kind == "creation":
+            return fwd, 0.0
+        if kind in ("matmul", "attention", "conv"):
+            # one kernel per gradient (input and weight), each the forward's size: the efficiency is that of a
+            # forward-sized problem, not of one problem of the summed FLOPs
+            bratio = min(2.0, max(1.0, node.flops_bwd / node.flops_fwd)) if node.flops_fwd > 0 else 1.0
+            one = self.cost.op_time(node.flops_bwd * self.scale * f / bratio, nb * f, self.dtype, kind)
+            return fwd, one * bratio
+        # backward reads the output gradient, writes the input gradients, and re-reads what was saved
+        if node.name not in self._saved:  # the same for every strategy of the node
+            self._saved[node.name] = sum(self.saved_bytes(st, None) for st in self.graph.saved_tensors(node))
+        bwd_bytes = nb + self._saved[node.name]
+        bwd = self.cost.op_time(node.flops_bwd * self.scale * f, bwd_bytes * f, self.dtype, kind)
+        return fwd, bwd
+
+    def grad_allreduce(self, strat: Strategy) -> float:
+        pm = self.graph.param_map
+        nbytes = sum(pm[p].meta.numel * self.item for p in strat.grad_allreduce if p in pm)
+        return self.coll("all_reduce", nbytes) if nbytes else 0.0
+
+    def saved_bytes(self, st: SavedTensor, placement: str | None) -> float:
+        b = self.tensor_bytes(st.meta) if st.meta is not None else st.nbytes * self.scale
+        return b / self.t if is_shard(placement) else b
