@@ -213,5 +213,12 @@ def test_zoo_tiny_solves_at_tp2(cm: CostModel, name: str, monkeypatch: pytest.Mo
     assert len(calls) <= len(set(hashes)) + 2  # identical blocks solved once (prefix/suffix may share a hash)
     for a, b in zip(sols, sols[1:]):
         assert a.boundary_out == b.boundary_in
+    params = {p.name: p for p in g.params}
     for s in sols:
-        assert s.status in ("optimal", "feasible") and s.act_bytes_none >= 0 and s.param_elems >= 0
+        assert s.status in ("optimal", "feasible")
+        # parameter elements held per device follow from the placements the solution reports
+        want = sum(params[p].meta.numel / (2 if pl.startswith("S(") else 1) for p, pl in s.param_placements.items()
+                   if params[p].kind == "param")
+        assert s.param_elems == pytest.approx(want)
+        assert 0 <= s.act_bytes_selective <= s.act_bytes_none  # selective recompute saves a subset
+    assert sum(s.act_bytes_none for s in sols) > 0

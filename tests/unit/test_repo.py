@@ -26,3 +26,11 @@ def test_pyproject_lists_every_subpackage() -> None:
                            for sub in ("ir", "profiles", "planner", "codegen", "zoo")
                            for p in (ROOT / sub).rglob("__init__.py")}
     assert listed == found, f"not listed: {sorted(found - listed)}, listed but absent: {sorted(listed - found)}"
+
+
+def test_no_module_over_500_lines() -> None:
+    """DESIGN.md: modules stay near 500 lines or fewer (the product and the test helpers)."""
+    files = [ROOT / "__init__.py", ROOT / "__main__.py", *(p for sub in ("ir", "profiles", "planner", "codegen", "zoo")
+                                                           for p in (ROOT / sub).rglob("*.py"))]
+    long = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > 500}
+    assert not long, long
