@@ -25,6 +25,7 @@ import torch
 from autopar import ir
 from autopar.ir.graph import Graph
 from autopar.ir.plan import Plan, load_plan
+from autopar.ir.trace_cache import cache_root
 from autopar.planner.options import PlanOptions, parse_pins
 from autopar.planner.search import SearchResult, search
 from autopar.profiles.builtin import resolve_profile, with_nodes
@@ -41,8 +42,7 @@ def in_distributed_launch() -> bool:
 
 
 def _measured_profile_path(ranks: int) -> Path:
-    root = Path(os.environ.get("AUTOPAR_CACHE", Path.home() / ".cache" / "autopar"))
-    return root / f"profile-{socket.gethostname()}-{ranks}.yaml"
+    return cache_root() / f"profile-{socket.gethostname()}-{ranks}.yaml"
 
 
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",

@@ -19,11 +19,25 @@ def _spec(name: str, batch: int = 1, seq: int | None = None) -> Any:
     return build(name, batch=batch, device="meta", seq=seq)
 
 
-def _trace(name: str, seq: int | None = None, frontend: str = "auto") -> Any:
+def _trace(name: str, seq: int | None = None, frontend: str = "auto", cache: bool = True) -> Any:
+    """Build ``name`` on the meta device and trace it; a built-in model's graph comes from the graph cache
+    (:mod:`autopar.ir.trace_cache`, keyed by the zoo's source) unless ``cache`` is False."""
     from autopar import ir
 
-    spec = _spec(name, 1, seq)
-    return ir.verify(ir.trace(spec.model, spec.example_inputs, frontend=frontend, model_name=name))  # type: ignore
+    def make() -> Any:
+        spec = _spec(name, 1, seq)
+        return ir.verify(ir.trace(spec.model, spec.example_inputs, frontend=frontend, model_name=name))  # type: ignore
+
+    from autopar.zoo import list_models
+
+    if not cache or name not in list_models():  # a user's factory: its source is not known, so always trace
+        return make()
+    from autopar import zoo
+    from autopar.ir.trace_cache import cached_graph, source_digest
+
+    key = {"zoo": name, "seq": seq, "batch": 1, "frontend": frontend,
+           "zoo_source": source_digest(Path(zoo.__file__).resolve().parent)}
+    return cached_graph(key, make)
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
@@ -31,7 +45,7 @@ def _cmd_trace(args: argparse.Namespace) -> int:
 
     from autopar.planner.report import render_tables
 
-    graph = _trace(args.model, args.seq, args.frontend)
+    graph = _trace(args.model, args.seq, args.frontend, cache=not args.no_cache)
     s = graph.summary()
     t = Table(title=f"{args.model}: traced with {s['frontend']} (batch 1)", show_header=False)
     t.add_row("nodes", str(s["nodes"]))
@@ -76,10 +90,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from autopar.planner.search import search
 
     profile = resolve_cluster(args.cluster, args.nodes)
-    graph = _trace(args.model, args.seq)
+    graph = _trace(args.model, args.seq, cache=not args.no_cache)
+    workers = {} if args.workers is None else {"workers": args.workers}
     opts = PlanOptions(global_batch=args.global_batch, pins=parse_pins(args.pin), dtype=args.dtype,
                        top_k=args.top_k, intra_op_time_limit_s=args.time_limit, seed=args.seed,
-                       fused_kernels=not args.no_fused_kernels)
+                       fused_kernels=not args.no_fused_kernels, **workers)
     result = search(graph, profile, opts, progress=None if args.quiet else _progress_printer())
     print(render_plan(result.best, graph=graph), end="")
     if result.alternatives:
@@ -201,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("model", help="built-in model name (see `autopar models`) or 'package.module:factory'")
     t.add_argument("--seq", type=int, default=None)
     t.add_argument("--frontend", choices=["auto", "fx", "export"], default="auto")
+    t.add_argument("--no-cache", action="store_true", help="trace afresh instead of reading the graph cache")
     t.set_defaults(func=_cmd_trace)
 
     m = sub.add_parser("models", help="list the built-in models")
@@ -218,6 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT seconds per distinct layer solve")
     pl.add_argument("--seed", type=int, default=0)
     pl.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    pl.add_argument("--workers", type=int, default=None,
+                    help="processes for the search (default: the available cores; 1: in-process); same plan for any")
+    pl.add_argument("--no-cache", action="store_true",
+                    help="trace afresh instead of reading the traced-graph cache ($AUTOPAR_CACHE, ~/.cache/autopar)")
     pl.add_argument("--no-fused-kernels", action="store_true",
                     help="run eagerly: no generated Triton kernels, fused groups costed unfused")
     pl.add_argument("-o", "--output", help="write the plan YAML here")

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Mapping
 
+from autopar.planner.pool import available_cores
+
 __all__ = ["PlanOptions", "parse_pins", "PIN_KEYS"]
 
 PIN_KEYS = ("pp", "dp", "tp", "zero", "micro_batch", "schedule", "recompute", "virtual_stages")
@@ -34,8 +36,9 @@ class PlanOptions:
     intra_op_time_limit_s: float = 10.0
     """CP-SAT time limit per distinct layer-group solve."""
     seed: int = 0
-    workers: int = 1
-    """CP-SAT workers; 1 keeps results deterministic."""
+    workers: int = field(default_factory=available_cores)
+    """Processes for the independent intra-op solves and screening (forked where the OS can fork, else in-process);
+    1 = all in this process. Default: the cores this process may run on. The plan is identical for any value."""
     fused_kernels: bool = True
     """Run fused groups (add+norm, bias+activation, SwiGLU, softmax, dropout) as generated Triton kernels
     (``autopar.codegen.kernels``) and cost them so: a fused group's bytes count once (the ``fuse`` pass,
@@ -48,6 +51,8 @@ class PlanOptions:
     def __post_init__(self) -> None:
         if self.global_batch < 1:
             raise ValueError(f"global_batch must be >= 1, got {self.global_batch}")
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         for k, v in self.pins.items():

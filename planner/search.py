@@ -22,8 +22,12 @@ from autopar.ir.graph import Graph
 from autopar.ir.passes.pipeline import PassOptions, default_pipeline, run_passes
 from autopar.ir.plan import Plan
 from autopar.planner.inter_op import Candidate, LayerTable, Screened, build_plan, divisors, layer_table, screen
+from autopar.planner.inter_op.screen import ScreenMemo
 from autopar.planner.intra_op import IntraOpOptions, solve_graph
+from autopar.planner.intra_op.coster import gradient_values
+from autopar.planner.intra_op.cpsat import CPSAT_WORKERS
 from autopar.planner.options import PlanOptions
+from autopar.planner.pool import fork_available, map_ordered
 from autopar.profiles.builtin import with_nodes
 from autopar.profiles.cost import CostModel
 from autopar.profiles.schema import ClusterProfile
@@ -116,7 +120,7 @@ def _validate_pins(world: int, options: PlanOptions, profile: ClusterProfile) ->
 
 
 class _Tables:
-    """Intra-op solutions per (tp, micro_batch), solved lazily and cached."""
+    """Intra-op solutions per (tp, micro_batch), solved lazily and cached (or all at once in worker processes)."""
 
     def __init__(self, graph: Graph, cost: CostModel, options: PlanOptions) -> None:
         self.graph, self.cost, self.options = graph, cost, options
@@ -124,22 +128,38 @@ class _Tables:
         # without tp, so only the tp = 1 tables see the fused graph
         fuse = default_pipeline(PassOptions(fused_kernels=options.fused_kernels), start="fuse")
         self.fused = run_passes(graph, fuse)
+        self.requires_grad = {id(g): gradient_values(g) for g in (graph, self.fused)}
         self.trace_batch = graph.batch
         self._cache: dict[tuple[int, int, bool], LayerTable] = {}
-        self.opts = IntraOpOptions(time_limit_s=options.intra_op_time_limit_s, workers=options.workers,
+        self.opts = IntraOpOptions(time_limit_s=options.intra_op_time_limit_s, workers=CPSAT_WORKERS,
                                    seed=options.seed)
         self.lean_opts = replace(self.opts, param_byte_price_s=LEAN_PRICE_S_PER_BYTE,
                                  param_state_bytes=16.0)
 
+    @staticmethod
+    def key(tp: int, mb: int, lean: bool = False) -> tuple[int, int, bool]:
+        return (tp, mb, lean and tp > 1)
+
+    def solve(self, key: tuple[int, int, bool]) -> LayerTable:
+        tp, mb, lean = key
+        graph = self.fused if tp == 1 else self.graph
+        sols = solve_graph(graph, tp=tp, cost=self.cost, tp_span=self.cost.span(tp, 1),
+                           dtype=self.options.dtype, micro_batch_scale=mb / self.trace_batch,
+                           options=self.lean_opts if lean else self.opts,
+                           requires_grad=self.requires_grad[id(graph)])
+        return layer_table(graph, tuple(sols), tp, mb)
+
     def get(self, tp: int, mb: int, lean: bool = False) -> LayerTable:
-        key = (tp, mb, lean and tp > 1)
+        key = self.key(tp, mb, lean)
         if key not in self._cache:
-            graph = self.fused if tp == 1 else self.graph
-            sols = solve_graph(graph, tp=tp, cost=self.cost, tp_span=self.cost.span(tp, 1),
-                               dtype=self.options.dtype, micro_batch_scale=mb / self.trace_batch,
-                               options=self.lean_opts if key[2] else self.opts)
-            self._cache[key] = layer_table(graph, tuple(sols), tp, mb)
+            self._cache[key] = self.solve(key)
         return self._cache[key]
+
+    def prefetch(self, keys: list[tuple[int, int, bool]], workers: int) -> None:
+        """Solve the missing ``keys`` on up to ``workers`` processes (the largest tp first: the longest solves)."""
+        todo = sorted({k for k in keys if k not in self._cache}, key=lambda k: (-k[0], k[1], k[2]))
+        for k, table in zip(todo, map_ordered(_solve_task, self, todo, workers)):
+            self._cache[k] = table
 
     def variants(self, tp: int, mb: int) -> list[tuple[bool, LayerTable]]:
         """The fastest sharding and, when it differs in parameter memory, the memory-lean one."""
@@ -150,48 +170,98 @@ class _Tables:
         return [(False, fast)] + ([(True, lean)] if sum(lean.params) < sum(fast.params) * 0.999 else [])
 
 
-def _screen_all(graph: Graph, profile: ClusterProfile, options: PlanOptions, tables: _Tables,
-                progress: Progress | None) -> tuple[list[Screened], int, float]:
-    cost = tables.cost
-    world, dpn = profile.nodes * profile.devices_per_node, profile.devices_per_node
-    capacity = profile.device.memory_bytes
-    n_groups = len(graph.layers)
+def _solve_task(tables: _Tables, key: tuple[int, int, bool]) -> LayerTable:
+    return tables.solve(key)
+
+
+@dataclass(frozen=True)
+class _Screening:
+    """What screening one ``(tp, pp)`` needs; forked workers inherit it."""
+
+    graph: Graph
+    profile: ClusterProfile
+    options: PlanOptions
+    tables: _Tables
+    memo: ScreenMemo
+
+
+def _units(s: _Screening) -> tuple[list[tuple[int, int]], list[tuple[int, int, bool]]]:
+    """The ``(tp, pp)`` pairs to screen, in screening order, and the intra-op tables they read."""
+    world = s.profile.nodes * s.profile.devices_per_node
+    units, keys = [], []
+    for tp in _tp_choices(world, s.profile.devices_per_node, s.options):
+        for pp in _pp_choices(world // tp, len(s.graph.layers), s.options):
+            units.append((tp, pp))
+            dp = world // (tp * pp)
+            if ((pd := _pin(s.options, "dp")) is not None and dp != pd) or s.options.global_batch % dp:
+                continue
+            for mb in _mb_choices(s.options.global_batch // dp, s.tables.trace_batch, s.options):
+                keys += [_Tables.key(tp, mb)] + ([_Tables.key(tp, mb, True)] if tp > 1 else [])
+    return units, keys
+
+
+def _screen_unit(s: _Screening, unit: tuple[int, int]) -> tuple[list[Screened], int, float]:
+    """Screen every candidate with mesh ``tp`` x ``pp``: (those that fit, how many were screened, least peak)."""
+    tp, pp = unit
+    options, tables, cost = s.options, s.tables, s.tables.cost
+    world, dpn = s.profile.nodes * s.profile.devices_per_node, s.profile.devices_per_node
+    capacity = s.profile.device.memory_bytes
+    n_groups = len(s.graph.layers)
     out: list[Screened] = []
     count, min_peak = 0, float("inf")
-    tps = _tp_choices(world, dpn, options)
-    for ti, tp in enumerate(tps):
-        for pp in _pp_choices(world // tp, n_groups, options):
-            dp = world // (tp * pp)
-            if (pd := _pin(options, "dp")) is not None and dp != pd:
-                continue
-            if options.global_batch % dp:
-                continue
-            per_replica = options.global_batch // dp
-            for mb in _mb_choices(per_replica, tables.trace_batch, options):
-                m = per_replica // mb
-                variants = tables.variants(tp, mb)
-                p2p_intra = dp * tp * pp <= dpn  # neighbouring stages are dp*tp ranks apart
-                for sched, v in _schedules(pp, m, n_groups, options):
-                    for rc in options.recompute_modes:
-                        if (pr := _pin(options, "recompute")) is not None and rc != pr:
+    dp = world // (tp * pp)
+    if ((pd := _pin(options, "dp")) is not None and dp != pd) or options.global_batch % dp:
+        return out, count, min_peak
+    per_replica = options.global_batch // dp
+    for mb in _mb_choices(per_replica, tables.trace_batch, options):
+        m = per_replica // mb
+        variants = tables.variants(tp, mb)
+        p2p_intra = dp * tp * pp <= dpn  # neighbouring stages are dp*tp ranks apart
+        for sched, v in _schedules(pp, m, n_groups, options):
+            for rc in options.recompute_modes:
+                if (pr := _pin(options, "recompute")) is not None and rc != pr:
+                    continue
+                for zero in options.zero_levels:
+                    if (pz := _pin(options, "zero")) is not None and zero != pz:
+                        continue
+                    if zero and dp == 1 and _pin(options, "zero") is None:
+                        continue  # ZeRO without data parallelism changes nothing
+                    for lean, table in variants:
+                        c = Candidate(pp, dp, tp, mb, m, sched, v, zero, rc, lean)
+                        sc = screen(c, table, cost, dtype=options.dtype, capacity=capacity, p2p_intra=p2p_intra,
+                                    overlap_grad_sync=options.overlap_grad_sync, memo=s.memo)
+                        count += 1
+                        if sc is None:
                             continue
-                        for zero in options.zero_levels:
-                            if (pz := _pin(options, "zero")) is not None and zero != pz:
-                                continue
-                            if zero and dp == 1 and _pin(options, "zero") is None:
-                                continue  # ZeRO without data parallelism changes nothing
-                            for lean, table in variants:
-                                c = Candidate(pp, dp, tp, mb, m, sched, v, zero, rc, lean)
-                                s = screen(c, table, cost, dtype=options.dtype, capacity=capacity,
-                                           p2p_intra=p2p_intra, overlap_grad_sync=options.overlap_grad_sync)
-                                count += 1
-                                if s is None:
-                                    continue
-                                min_peak = min(min_peak, s.peak_mem)
-                                if s.fits:
-                                    out.append(s)
-        if progress:
-            progress(f"tp={tp}: {count} candidates screened, {len(out)} fit", (ti + 1) / len(tps))
+                        min_peak = min(min_peak, sc.peak_mem)
+                        if sc.fits:
+                            out.append(sc)
+    return out, count, min_peak
+
+
+def _screen_all(graph: Graph, profile: ClusterProfile, options: PlanOptions, tables: _Tables,
+                progress: Progress | None) -> tuple[list[Screened], int, float]:
+    """Screen every candidate; with ``options.workers > 1`` the tables, then the ``(tp, pp)`` units, are computed
+    in worker processes and merged in the serial order, so the result does not depend on the worker count."""
+    s = _Screening(graph, profile, options, tables, ScreenMemo())
+    units, keys = _units(s)
+    pooled = options.workers > 1 and fork_available() and len(units) > 1
+    if pooled:
+        tables.prefetch(keys, options.workers)
+    done = map_ordered(_screen_unit, s, units, options.workers) if pooled else None
+    out: list[Screened] = []
+    count, min_peak = 0, float("inf")
+    tps = list(dict.fromkeys(tp for tp, _ in units))
+    for i, unit in enumerate(units):
+        found, n, peak = done[i] if done is not None else _screen_unit(s, unit)
+        out += found
+        count += n
+        min_peak = min(min_peak, peak)
+        if progress and (i + 1 == len(units) or units[i + 1][0] != unit[0]):
+            progress(f"tp={unit[0]}: {count} candidates screened, {len(out)} fit",
+                     (tps.index(unit[0]) + 1) / len(tps))
+    if progress and not units:
+        progress("no candidates", 1.0)
     return out, count, min_peak
 
 

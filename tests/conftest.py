@@ -83,3 +83,16 @@ def fake_world():  # noqa: ANN201 - a generator fixture
     yield init
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_autopar_cache(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - a generator fixture
+    """The traced-graph cache and measured profiles ($AUTOPAR_CACHE) go to a fresh directory for the session, not
+    the user's ~/.cache/autopar."""
+    old = os.environ.get("AUTOPAR_CACHE")
+    os.environ["AUTOPAR_CACHE"] = str(tmp_path_factory.mktemp("autopar-cache"))
+    yield
+    if old is None:
+        os.environ.pop("AUTOPAR_CACHE", None)
+    else:
+        os.environ["AUTOPAR_CACHE"] = old

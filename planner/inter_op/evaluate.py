@@ -34,12 +34,14 @@ from autopar.planner.inter_op.screen import (
     ADAM_STEP_BYTES,
     LayerTable,
     Screened,
+    block_paths,
     dp_sync_time,
     group_placements,
     in_flight,
     reserve_for,
     zero3_gather_exposed,
 )
+from autopar.planner.intra_op.cpsat import CPSAT_WORKERS
 from autopar.planner.options import PlanOptions
 from autopar.profiles.cost import CostModel
 from autopar.profiles.schema import ClusterProfile
@@ -52,8 +54,9 @@ _RC_ORDER = ("none", "selective", "full")
 def param_patterns(graph: Graph, table: LayerTable) -> tuple[ParamSharding, ...]:
     """Sharded parameters as patterns, ``*`` standing for the block index of repeated blocks."""
     out: dict[str, str] = {}
+    blocks = block_paths(graph)
     for group, sol in zip(graph.layers, table.solutions):
-        for fqn, placement in group_placements(graph, group, sol).items():
+        for fqn, placement in group_placements(graph, group, sol, blocks).items():
             if placement == "R":
                 continue
             pat = fqn
@@ -209,5 +212,5 @@ def build_plan(graph: Graph, profile: ClusterProfile, options: PlanOptions, s: S
         pins=tuple(f"{k}={v}" for k, v in sorted(options.pins.items())),
         solver=SolverReport(status="optimal" if table.status == "optimal" else "feasible",  # type: ignore
                             objective_s=total, best_bound_s=total * (1 - table.gap), gap=table.gap,
-                            wall_s=table.solve_s, seed=options.seed, workers=options.workers),
+                            wall_s=table.solve_s, seed=options.seed, workers=CPSAT_WORKERS),
         notes=tuple(notes))

@@ -38,7 +38,7 @@ from typing import Literal
 
 from autopar.ir.placement import Recompute, Schedule
 from autopar.ir.plan import MemoryBreakdown
-from autopar.planner.inter_op.schedule import peak_in_flight, rank_order
+from autopar.planner.inter_op.schedule import peak_in_flight_count
 
 __all__ = [
     "GiB", "MemoryReserve", "model_state_bytes", "zero3_transient_bytes", "in_flight_microbatches",
@@ -112,8 +112,8 @@ def in_flight_microbatches(schedule: Schedule, *, pp: int, num_microbatches: int
     For interleaved 1F1B the peak in chunk-micro-batches is divided by ``v`` (stage-micro-batches, equal chunks).
     """
     v = virtual_stages
-    return tuple(peak_in_flight(rank_order(schedule, rank=r, pp=pp, num_microbatches=num_microbatches,
-                                           virtual_stages=v)) / v for r in range(pp))
+    return tuple(peak_in_flight_count(schedule, rank=r, pp=pp, num_microbatches=num_microbatches,
+                                      virtual_stages=v) / v for r in range(pp))
 
 
 def activation_bytes(act_bytes: Mapping[str, float], recompute: Recompute, *, schedule: Schedule, stage_index: int,

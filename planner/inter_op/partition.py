@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import TypeVar
 
-__all__ = ["StagePartition", "partition_stages", "stage_cost", "minmax_partition", "rank_chunks"]
+__all__ = ["StagePartition", "minmax_partition", "partition_stages", "rank_chunks", "stage_cost"]
 
 log = logging.getLogger(__name__)
 
@@ -73,15 +73,18 @@ def minmax_partition(times: list[float], k: int) -> list[tuple[int, int]] | None
     n = len(times)
     if k > n or k < 1:
         return None
-
-    def fill(limit: float) -> list[tuple[int, int]]:
+    def fill(limit: float, most: int = n) -> list[tuple[int, int]]:
+        """Greedy ranges of sum <= limit (a single item may exceed it); stops after ``most`` cuts."""
         out, start, acc = [], 0, 0.0
         for i, t in enumerate(times):
             if i > start and acc + t > limit:
                 out.append((start, i))
+                if len(out) == most:
+                    break
                 start, acc = i, 0.0
             acc += t
-        out.append((start, n))
+        else:
+            out.append((start, n))
         return out
 
     lo, hi = max(times), sum(times)
@@ -89,7 +92,7 @@ def minmax_partition(times: list[float], k: int) -> list[tuple[int, int]] | None
         if hi - lo <= 1e-12 * max(hi, 1e-30):
             break
         mid = (lo + hi) / 2
-        if len(fill(mid)) <= k:
+        if len(fill(mid, k + 1)) <= k:
             hi = mid
         else:
             lo = mid
@@ -164,22 +167,42 @@ def _validate(time: Sequence[float], mem: Sequence[float], act: Sequence[float],
         raise ValueError(f"capacity must be > 0 bytes, got {capacity}")
 
 
-def _dp(c: _Costs, n: int, cap: float, cost: Callable[[int, int, int], float],
-        allowed: Callable[[int, int, int], bool]) -> tuple[float, list[list[int]]]:
-    """Min over partitions of max_k cost(k, i, j) with every stage allowed; returns (value, argmin table)."""
-    K = c.K
-    best = [[math.inf] * (n + 1) for _ in range(K + 1)]
+def _dp(c: _Costs, n: int, cap: float, bound: float | None = None) -> tuple[float, list[list[int]]]:
+    """Min over partitions of max_k cost(k, i, j), every stage within ``cap``; returns (value, argmin table).
+
+    ``bound`` None: cost is the stage time ``T_k``. Otherwise cost is the stage memory ``M_k`` and only stages with
+    ``T_k <= bound`` are allowed. ``T_k`` and ``M_k`` are :meth:`_Costs.t` and :meth:`_Costs.m`, inlined with the
+    same arithmetic (this loop is the exact evaluation's hot spot)."""
+    K, pt, pm, pa, inf = c.K, c.pt, c.pm, c.pa, math.inf
+    best = [[inf] * (n + 1) for _ in range(K + 1)]
     arg = [[-1] * (n + 1) for _ in range(K + 1)]
     best[0][0] = 0.0
     for k in range(1, K + 1):
-        # stage k-1 = [i, j); leave at least one group for each later stage
+        s = k - 1
+        prev, cur, a = best[s], best[k], arg[k]
+        f = c.in_flight(s)
+        # stage s = [i, j); leave at least one group for each later stage
         for j in range(k, n - (K - k) + 1):
-            for i in range(k - 1, j):
-                if best[k - 1][i] == math.inf or c.m(k - 1, i, j) > cap or not allowed(k - 1, i, j):
+            link = c.p2p(c.out_bytes[j - 1], s) if s < K - 1 else 0.0
+            ptj, pmj, paj = pt[j], pm[j], pa[j]
+            bj, aj = inf, -1
+            for i in range(s, j):
+                b = prev[i]
+                if b == inf:
                     continue
-                val = max(best[k - 1][i], cost(k - 1, i, j))
-                if val < best[k][j]:
-                    best[k][j], arg[k][j] = val, i
+                mem = pmj - pm[i] + f * (paj - pa[i])
+                if mem > cap:
+                    continue
+                t = ptj - pt[i] + link
+                if bound is None:
+                    val = max(b, t)
+                elif t <= bound:
+                    val = max(b, mem)
+                else:
+                    continue
+                if val < bj:
+                    bj, aj = val, i
+            cur[j], a[j] = bj, aj
     return best[K][n], arg
 
 
@@ -200,12 +223,12 @@ def _partition(costs: _Costs, *, n: int, pp: int, v: int, capacity: float) -> St
         return StagePartition(feasible=False, reason=f"{n} layer groups cannot fill pp*v = {K} stages; lower pp "
                                                     "or virtual_stages")
     cap = capacity / v
-    t_star, _ = _dp(costs, n, cap, costs.t, lambda k, i, j: True)
+    t_star, _ = _dp(costs, n, cap)
     if t_star == math.inf:
         return StagePartition(feasible=False, reason=f"no split into {K} stages fits {capacity / 2**30:.2f} GiB "
                                                     "per device; add devices, raise zero or recomputation")
     bound = t_star * (1 + _REL) + 1e-15
-    _, arg = _dp(costs, n, cap, costs.m, lambda k, i, j: costs.t(k, i, j) <= bound)
+    _, arg = _dp(costs, n, cap, bound)
     cuts = _cuts(arg, K, n)
     times = tuple(costs.t(k, i, j) for k, (i, j) in enumerate(cuts))
     mems = tuple(costs.m(k, i, j) for k, (i, j) in enumerate(cuts))

@@ -49,7 +49,8 @@ from typing import Any, Literal
 from autopar.ir.placement import Schedule
 
 __all__ = [
-    "OpEvent", "ScheduleResult", "rank_order", "simulate", "peak_in_flight", "chrome_trace", "SCHEDULES",
+    "OpEvent", "ScheduleResult", "rank_order", "simulate", "peak_in_flight", "peak_in_flight_count", "chrome_trace",
+    "SCHEDULES",
 ]
 
 log = logging.getLogger(__name__)
@@ -157,6 +158,21 @@ def rank_order(schedule: Schedule, *, rank: int, pp: int, num_microbatches: int,
         order += [fwd[warmup + i], bwd[i]]
     order += bwd[len(fwd) - warmup:]
     return order  # type: ignore[return-value]
+
+
+def peak_in_flight_count(schedule: Schedule, *, rank: int, pp: int, num_microbatches: int,
+                         virtual_stages: int = 1) -> float:
+    """``peak_in_flight(rank_order(...))`` without building the order: GPipe holds all ``m`` forwards; (interleaved)
+    1F1B holds its ``w`` warm-up forwards plus one while it alternates, ``min(w + 1, m * v)``."""
+    m, v = num_microbatches, virtual_stages
+    _check(pp, m, v, schedule)
+    if not 0 <= rank < pp:
+        raise ValueError(f"rank must be in [0, {pp}), got {rank}")
+    if schedule == "gpipe":
+        return float(m)
+    total = m if schedule == "1f1b" else m * v
+    warmup = min(pp - rank - 1, m) if schedule == "1f1b" else min((pp - rank - 1) * 2 + (v - 1) * pp, total)
+    return float(min(warmup + 1, total))
 
 
 def _per_rank(x: float | Sequence[float], n: int, what: str) -> list[float]:

@@ -31,7 +31,7 @@ from autopar.planner.intra_op.solve import GroupSolution
 from autopar.profiles.cost import CostModel
 
 __all__ = ["LayerTable", "Candidate", "Screened", "layer_table", "screen", "ADAM_STEP_BYTES", "group_placements",
-           "in_flight", "reserve_for", "dp_sync_time", "zero3_gather_exposed", "divisors"]
+           "in_flight", "reserve_for", "ScreenMemo", "block_paths", "dp_sync_time", "zero3_gather_exposed", "divisors"]
 
 ADAM_STEP_BYTES = 28.0
 """Bytes an Adam step moves per parameter: fp32 master, m and v read+written (24) + gradient read + param write."""
@@ -72,23 +72,40 @@ def _local_elems(graph: Graph, names: tuple[str, ...], placements: dict[str, str
     return tot
 
 
-def group_placements(graph: Graph, group: LayerGroup, sol: GroupSolution) -> dict[str, str]:
+def block_paths(graph: Graph) -> frozenset[str]:
+    """Module paths of the repeated-block groups (for :func:`group_placements`)."""
+    return frozenset(g.module_path for g in graph.layers if g.role == "block" and g.module_path)
+
+
+def _longest_block_prefix(name: str, blocks: frozenset[str]) -> str:
+    """The longest ``b`` in ``blocks`` with ``name.startswith(b + ".")`` (a set lookup per dot of ``name``)."""
+    pos = name.rfind(".")
+    while pos > 0:
+        if name[:pos] in blocks:
+            return name[:pos]
+        pos = name.rfind(".", 0, pos)
+    return ""
+
+
+def group_placements(graph: Graph, group: LayerGroup, sol: GroupSolution,
+                     blocks: frozenset[str] | None = None) -> dict[str, str]:
     """``sol``'s parameter placements under ``group``'s own names.
 
     A solution reused across identical blocks names the parameters of the block it was solved on
     (``blocks.0.mlp.fc1.weight``); rename them into ``group`` (``blocks.7.mlp.fc1.weight``).  Interleaved shardings
-    of fused weights keep their split factor (``S(0)[3]``: each rank holds its slice of every part)."""
+    of fused weights keep their split factor (``S(0)[3]``: each rank holds its slice of every part).  ``blocks``:
+    :func:`block_paths` of ``graph``, when the caller already has it."""
     src = graph.layers[sol.group_index].module_path if sol.group_index < len(graph.layers) else ""
     own = set(group.params)
-    blocks = {g.module_path for g in graph.layers if g.role == "block" and g.module_path}
+    if blocks is None:
+        blocks = block_paths(graph)
     out: dict[str, str] = {}
     for name, pl in sol.param_placements.items():
         k = sol.param_split_factors.get(name, 1)
         if k > 1 and "[" not in pl:
             pl = f"{pl}[{k}]"
         if name not in own and group.module_path:
-            prefix = src if src and name.startswith(src + ".") else \
-                max((b for b in blocks if name.startswith(b + ".")), key=len, default="")
+            prefix = src if src and name.startswith(src + ".") else _longest_block_prefix(name, blocks)
             if prefix:
                 name = group.module_path + name[len(prefix):]
         out[name] = pl
@@ -97,8 +114,9 @@ def group_placements(graph: Graph, group: LayerGroup, sol: GroupSolution) -> dic
 
 def layer_table(graph: Graph, sols: tuple[GroupSolution, ...], tp: int, micro_batch: int) -> LayerTable:
     placements: dict[str, str] = {}
+    blocks = block_paths(graph)
     for g, s in zip(graph.layers, sols):
-        placements.update(group_placements(graph, g, s))
+        placements.update(group_placements(graph, g, s, blocks))
     params = tuple(_local_elems(graph, g.params, placements, tp) for g in graph.layers)
     first, last = graph.layers[0], graph.layers[-1]
     shared = _local_elems(graph, tuple(set(first.params) & set(last.params)), placements, tp) \
@@ -179,51 +197,113 @@ def zero3_gather_exposed(cost: CostModel, param_bytes: float, dp: int, tp: int, 
     return max(0.0, per_mb - rank_time) * m
 
 
+class ScreenMemo:
+    """What screening computes that does not depend on the whole candidate, kept for one search.
+
+    The min-max partition depends only on the table's times (its recompute mode) and ``pp * v``; the per-rank sums
+    over those chunks also on ``pp``; a collective's time only on its bytes and group.  Values are computed by
+    exactly the formulas :func:`screen` used before, so memoized and fresh results are bit-identical."""
+
+    __slots__ = ("_tables", "_coll")
+
+    def __init__(self) -> None:
+        self._tables: dict[int, tuple[LayerTable, dict[tuple, object]]] = {}
+        self._coll: dict[tuple[str, float, int, int], float] = {}
+
+    def _of(self, table: LayerTable) -> dict[tuple, object]:
+        got = self._tables.get(id(table))
+        if got is None or got[0] is not table:  # hold the table, so its id cannot be reused while memoized
+            got = self._tables[id(table)] = (table, {})
+        return got[1]
+
+    def collective(self, cost: CostModel, kind: str, nbytes: float, dp: int, tp: int) -> float:
+        key = (kind, nbytes, dp, tp)
+        t = self._coll.get(key)
+        if t is None:
+            t = self._coll[key] = cost.collective_time(kind, nbytes, span=cost.span(dp, tp))
+        return t
+
+    def ranks(self, table: LayerTable, rc: str, pp: int, v: int, cost: CostModel, p2p_intra: bool
+              ) -> tuple[list[tuple[int, int]], float, float, tuple[tuple[float, ...], ...]] | None:
+        """``(chunks, sum of times, p2p, per rank (time, params, act sum, full-recompute extra, largest layer,
+        backward))`` or None when ``pp * v`` exceeds the groups."""
+        memo = self._of(table)
+        key = (rc, pp, v, p2p_intra)
+        if key in memo:
+            return memo[key]  # type: ignore[return-value]
+        pkey = ("part", rc, pp * v)
+        if pkey not in memo:
+            memo[pkey] = (table.time(rc), minmax_partition(table.time(rc), pp * v))
+        times, chunks = memo[pkey]  # type: ignore[misc]
+        if chunks is None:
+            memo[key] = None
+            return None
+        act, n = table.act[rc], len(times)
+        p2p = max((cost.p2p_time(table.out_bytes[b - 1], intra_node=p2p_intra) for _, b in chunks[:-1]),
+                  default=0.0)
+        per_rank = []
+        for r in range(pp):
+            mine = rank_chunks(chunks, pp, r)
+            t = sum(sum(times[a:b]) for a, b in mine)
+            params = sum(sum(table.params[a:b]) for a, b in mine)
+            if any(a == 0 for a, _ in mine) and any(b == n for _, b in mine):
+                params -= table.shared_params
+            acts = sum(sum(act[a:b]) for a, b in mine)
+            extra = max(max(table.act_none[a:b]) for a, b in mine) if rc == "full" else 0.0
+            largest = max(max(table.params[a:b]) for a, b in mine)
+            bwd_last = sum(sum(table.bwd[a:b]) for a, b in mine)
+            per_rank.append((t, params, acts, extra, largest, bwd_last))
+        out = (chunks, sum(times), p2p, tuple(per_rank))
+        memo[key] = out
+        return out
+
+
 def screen(cand: Candidate, table: LayerTable, cost: CostModel, *, dtype: str, capacity: float,
-           p2p_intra: bool, overlap_grad_sync: bool = True) -> Screened | None:
-    """Closed-form time and memory of a candidate (see the module docstring); None if it cannot be built."""
+           p2p_intra: bool, overlap_grad_sync: bool = True, memo: ScreenMemo | None = None) -> Screened | None:
+    """Closed-form time and memory of a candidate (see the module docstring); None if it cannot be built.
+
+    Pass one ``memo`` to every call of a search to skip recomputing what does not depend on the candidate."""
+    memo = memo or ScreenMemo()
     pp, v, m = cand.pp, cand.virtual_stages, cand.num_microbatches
-    times = table.time(cand.recompute)
     k = pp * v
-    chunks = minmax_partition(times, k)
-    if chunks is None:
+    got = memo.ranks(table, cand.recompute, pp, v, cost, p2p_intra)
+    if got is None:
         return None
-    act = table.act[cand.recompute]
+    chunks, sum_times, p2p, ranks = got
     item = DTYPE_BYTES.get(dtype, 4)
     mixed = dtype != "float32"
-    p2p = max((cost.p2p_time(table.out_bytes[b - 1], intra_node=p2p_intra) for _, b in chunks[:-1]), default=0.0)
-    n = len(times)
     worst_end, peak = 0.0, 0.0
     flights = in_flight(cand.schedule, pp, m, v)
     reserve = reserve_for(cost)
-    per_rank = []
-    for r in range(pp):
-        mine = rank_chunks(chunks, pp, r)
-        t = sum(sum(times[a:b]) for a, b in mine)
-        per_rank.append(t)
-        params = sum(sum(table.params[a:b]) for a, b in mine)
-        if any(a == 0 for a, _ in mine) and any(b == n for _, b in mine):
-            params -= table.shared_params
-        acts = sum(sum(act[a:b]) for a, b in mine) * flights[r]
-        if cand.recompute == "full":
-            acts += max(max(table.act_none[a:b]) for a, b in mine)
-        largest = max(max(table.params[a:b]) for a, b in mine)
-        mem = memory_breakdown(param_elems=params, zero=cand.zero, dp=cand.dp, mixed_precision=mixed,
+    full = cand.recompute == "full"
+    dp, tp, zero = cand.dp, cand.tp, cand.zero
+    bandwidth = cost.profile.device.memory_bandwidth
+    for r, (t, params, acts, extra, largest, bwd_last) in enumerate(ranks):
+        acts = acts * flights[r]
+        if full:
+            acts += extra
+        mem = memory_breakdown(param_elems=params, zero=zero, dp=dp, mixed_precision=mixed,
                                activations=acts, capacity=capacity, largest_layer_elems=largest,
                                reserve=reserve).total
         peak = max(peak, mem)
-        sync = dp_sync_time(cost, params * item, cand.dp, cand.tp, cand.zero)
-        bwd_last = sum(sum(table.bwd[a:b]) for a, b in mine)
+        if dp == 1:
+            sync = 0.0
+        elif zero == 0:
+            sync = memo.collective(cost, "all_reduce", params * item, dp, tp)
+        else:
+            sync = memo.collective(cost, "reduce_scatter", params * item, dp, tp) + \
+                memo.collective(cost, "all_gather", params * item, dp, tp)
         exposed = max(0.0, sync - bwd_last) if overlap_grad_sync else sync
-        if cand.zero == 3:
-            exposed += zero3_gather_exposed(cost, params * item, cand.dp, cand.tp, m, t)
-        opt = params * ADAM_STEP_BYTES / (cand.dp if cand.zero >= 1 else 1) / cost.profile.device.memory_bandwidth
+        if zero == 3 and dp != 1:
+            per_mb = 2 * memo.collective(cost, "all_gather", params * item, dp, tp)
+            exposed += max(0.0, per_mb - t) * m
+        opt = params * ADAM_STEP_BYTES / (dp if zero >= 1 else 1) / bandwidth
         worst_end = max(worst_end, exposed + opt)
-    busiest = max(per_rank)
+    busiest = max(r[0] for r in ranks)
     if cand.schedule == "interleaved_1f1b":
         pipe = m * busiest + (pp - 1) * busiest / v
     else:
-        pipe = (m - 1) * busiest + sum(times)
+        pipe = (m - 1) * busiest + sum_times
     pipe += 2 * (k - 1) * p2p
     total = pipe + worst_end
     return Screened(cand, total, peak, peak <= capacity, tuple(chunks))

@@ -23,22 +23,30 @@ from autopar.profiles.cost import CostModel, GroupSpan
 _KIND_MAP = {"loss": "other", "copy": "other", "gather": "other", "creation": "other", "unknown": "other"}
 
 
+def gradient_values(graph: Graph) -> frozenset[str]:
+    """Nodes whose values get gradients: float values that depend on a trainable parameter (one pass over the
+    graph; pass the result to every :class:`_Coster` of the same graph)."""
+    pm = graph.param_map
+    out: set[str] = set()
+    for n in graph.nodes:
+        if n.kind in ("input", "creation") or not n.outputs or n.out.dtype not in FLOAT_DTYPES:
+            continue
+        if any(i in out for i in n.activation_inputs) or any(
+                p in pm and pm[p].kind == "param" and pm[p].meta.dtype in FLOAT_DTYPES for p in n.params):
+            out.add(n.name)
+    return frozenset(out)
+
+
 class _Coster:
     """Compute and resharding times on the tp group, at the training dtype and micro-batch size."""
 
-    def __init__(self, graph: Graph, cost: CostModel, span: GroupSpan, t: int, dtype: str, scale: float) -> None:
+    def __init__(self, graph: Graph, cost: CostModel, span: GroupSpan, t: int, dtype: str, scale: float,
+                 requires_grad: frozenset[str] | None = None) -> None:
         self.graph, self.cost, self.span, self.t, self.dtype, self.scale = graph, cost, span, t, dtype, scale
         self.item = DTYPE_BYTES.get({"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype, dtype), 2)
         self._coll: dict[tuple[str, float], float] = {}
         self._saved: dict[str, float] = {}  # node -> bytes its backward re-reads (unsharded)
-        pm = graph.param_map
-        self.requires_grad: set[str] = set()
-        for n in graph.nodes:  # values that depend on a trainable parameter get gradients
-            if n.kind in ("input", "creation") or not n.outputs or n.out.dtype not in FLOAT_DTYPES:
-                continue
-            if any(i in self.requires_grad for i in n.activation_inputs) or any(
-                    p in pm and pm[p].kind == "param" and pm[p].meta.dtype in FLOAT_DTYPES for p in n.params):
-                self.requires_grad.add(n.name)
+        self.requires_grad = gradient_values(graph) if requires_grad is None else requires_grad
 
     def tensor_bytes(self, meta: TensorMeta, activation: bool = True) -> float:
         item = self.item if meta.dtype in FLOAT_DTYPES else DTYPE_BYTES.get(meta.dtype, 4)

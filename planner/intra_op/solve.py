@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from autopar.ir.graph import Graph, LayerGroup, Node
 from autopar.ir.placement import is_shard, parse_placement, public_placement, shard
 from autopar.ir.plan import OpSharding
-from autopar.planner.intra_op.coster import _Coster
+from autopar.planner.intra_op.coster import _Coster, gradient_values
 from autopar.planner.intra_op.cpsat import CoreSolution, IntraOpOptions, evaluate_costs, solve_costs
 from autopar.planner.intra_op.model import (
     _build,
@@ -175,12 +175,14 @@ def _activation_report(graph: Graph, group: LayerGroup, co: _Coster, m: _Model, 
 def solve_group(graph: Graph, group: LayerGroup, *, tp: int, cost: CostModel, tp_span: GroupSpan,
                 dtype: str = "bfloat16", micro_batch_scale: float = 1.0, boundary_in: str | None = None,
                 options: IntraOpOptions = IntraOpOptions(), boundary_out: str | None = None,
-                fixed_params: dict[str, str] | None = None) -> GroupSolution:
+                fixed_params: dict[str, str] | None = None,
+                requires_grad: frozenset[str] | None = None) -> GroupSolution:
     """Choose every op's tp sharding in ``group``.
 
     ``boundary_in``/``boundary_out`` fix the placement of the residual stream entering/leaving the group (None: the
     solver chooses; for a ``block`` with ``boundary_out=None`` the output must equal the input placement so identical
-    blocks chain). ``fixed_params`` pins parameters shared with an already solved group (internal placements)."""
+    blocks chain). ``fixed_params`` pins parameters shared with an already solved group (internal placements).
+    ``requires_grad``: :func:`~autopar.planner.intra_op.coster.gradient_values` of ``graph`` when the caller has it."""
     if tp < 1:
         raise ValueError(f"tp must be >= 1, got {tp}")
     if micro_batch_scale <= 0:
@@ -188,7 +190,7 @@ def solve_group(graph: Graph, group: LayerGroup, *, tp: int, cost: CostModel, tp
     if tp_span.size != tp:
         raise ValueError(f"tp_span {tp_span} has {tp_span.size} ranks but tp={tp}")
     t0 = time.perf_counter()
-    co = _Coster(graph, cost, tp_span, tp, dtype, micro_batch_scale)
+    co = _Coster(graph, cost, tp_span, tp, dtype, micro_batch_scale, requires_grad)
     m = _build(graph, group, tp, co, boundary_in if tp > 1 else None, boundary_out if tp > 1 else None,
                dict(fixed_params or {}) if tp > 1 else {})
     hint = _replicate_choices(m)
@@ -221,13 +223,14 @@ def strategy_costs(graph: Graph, node: Node, *, tp: int, cost: CostModel, tp_spa
 
 
 def solve_graph(graph: Graph, *, tp: int, cost: CostModel, tp_span: GroupSpan, dtype: str = "bfloat16",
-                micro_batch_scale: float = 1.0,
-                options: IntraOpOptions = IntraOpOptions()) -> tuple[GroupSolution, ...]:
+                micro_batch_scale: float = 1.0, options: IntraOpOptions = IntraOpOptions(),
+                requires_grad: frozenset[str] | None = None) -> tuple[GroupSolution, ...]:
     """One :class:`GroupSolution` per ``graph.layers`` entry.
 
     Order: repeated blocks first (each distinct hash once, boundary in = out), then the other groups in graph order
     with the previous group's output placement as their input, the prefix last (its output fixed to what the first
-    block expects; parameters tied across groups, e.g. a tied embedding/LM head, keep the first placement chosen)."""
+    block expects; parameters tied across groups, e.g. a tied embedding/LM head, keep the first placement chosen).
+    ``requires_grad``: :func:`~autopar.planner.intra_op.coster.gradient_values` of ``graph``, computed if not given."""
     layers = graph.layers
     if not layers:
         raise ValueError("graph has no layer groups; trace it with ir.trace (which groups layers)")
@@ -238,7 +241,8 @@ def solve_graph(graph: Graph, *, tp: int, cost: CostModel, tp_span: GroupSpan, d
     cache: dict[tuple, GroupSolution] = {}
     sols: dict[int, GroupSolution] = {}
     fixed: dict[str, str] = {}
-    kw = dict(tp=tp, cost=cost, tp_span=tp_span, dtype=dtype, micro_batch_scale=micro_batch_scale, options=options)
+    kw = dict(tp=tp, cost=cost, tp_span=tp_span, dtype=dtype, micro_batch_scale=micro_batch_scale, options=options,
+              requires_grad=gradient_values(graph) if requires_grad is None else requires_grad)
 
     def run(g: LayerGroup, b_in: str | None, b_out: str | None) -> GroupSolution:
         key = (g.structural_hash, tp, micro_batch_scale, dtype, options.activation_budget_bytes,

@@ -1,0 +1,82 @@
+"""A disk cache of traced graphs, so planning the same model again skips building it and tracing it.
+
+A graph is stored under a digest of what determines it: the caller's key (for a zoo model: its name, sequence
+length and the zoo's source), the source of :mod:`autopar.ir` (capture and passes), the torch and Python versions
+and the cache format. Any change to those misses the cache and traces afresh, so a stale graph is never returned.
+Entries are pickles in ``$AUTOPAR_CACHE/graphs`` (default ``~/.cache/autopar/graphs``), written atomically; an
+unreadable entry is traced again and overwritten. The cache directory is trusted like any per-user cache: it must
+not be writable by others.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pickle
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Callable, Mapping
+
+from autopar.ir.graph import Graph
+
+__all__ = ["cache_root", "source_digest", "cached_graph", "ENV_CACHE"]
+
+log = logging.getLogger(__name__)
+ENV_CACHE = "AUTOPAR_CACHE"
+_FORMAT = 1
+_IR_DIR = Path(__file__).resolve().parent
+
+
+def cache_root() -> Path:
+    """``$AUTOPAR_CACHE``, default ``~/.cache/autopar``: measured profiles and traced graphs live here."""
+    return Path(os.environ.get(ENV_CACHE) or Path.home() / ".cache" / "autopar")
+
+
+def source_digest(*roots: Path) -> str:
+    """SHA-256 over the ``.py`` files under ``roots`` (paths and contents, in sorted order)."""
+    h = hashlib.sha256()
+    for root in roots:
+        for f in sorted(root.rglob("*.py")):
+            h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def _torch_version() -> str:
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _path(key: Mapping[str, object], root: Path) -> Path:
+    parts = dict(key, format=_FORMAT, ir=source_digest(_IR_DIR), torch=_torch_version(),
+                 python=f"{sys.version_info[0]}.{sys.version_info[1]}")
+    digest = hashlib.sha256(repr(sorted((str(k), repr(v)) for k, v in parts.items())).encode()).hexdigest()
+    return root / "graphs" / f"{digest[:32]}.pkl"
+
+
+def cached_graph(key: Mapping[str, object], make: Callable[[], Graph], root: Path | None = None) -> Graph:
+    """The graph stored under ``key`` (see the module docstring), else ``make()``, stored for next time.
+
+    ``key`` must name everything ``make`` depends on besides autopar.ir and torch (model, its sizes, its source)."""
+    path = _path(key, root if root is not None else cache_root())
+    if path.is_file():
+        try:
+            graph = pickle.loads(path.read_bytes())
+            if isinstance(graph, Graph):
+                log.debug("traced graph from the cache: %s", path)
+                return graph
+        except Exception as e:  # noqa: BLE001 - a damaged or foreign entry is traced again
+            log.debug("ignoring unreadable cache entry %s: %s", path, e)
+    graph = make()
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(pickle.dumps(graph, protocol=pickle.HIGHEST_PROTOCOL))
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only or full disk only costs the next run a trace
+        log.warning("could not cache the traced graph in %s: %s", path.parent, e)
+        tmp.unlink(missing_ok=True)
+    return graph
