@@ -1,4 +1,4 @@
-"""The ``autopar`` command-line tool: trace, profile, plan, show, explain, diff, run, replan."""
+"""The ``autopar`` command-line tool: trace, profile, plan, show, explain, diff, run, calibrate, replan."""
 
 from __future__ import annotations
 
@@ -286,6 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="package.module:function the workers call as function(step) after every step")
     rn.add_argument("--torchrun-args", nargs=argparse.REMAINDER, help="passed to torchrun (e.g. --nnodes 2 ...)")
     rn.set_defaults(func=_cmd_run)
+
+    from autopar.planner.calibrate import add_parser as calibrate_args
+
+    calibrate_args(sub)
 
     rp = sub.add_parser("replan", help="re-plan for another cluster size")
     rp.add_argument("plan")

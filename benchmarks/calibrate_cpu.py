@@ -1,0 +1,159 @@
+"""``autopar calibrate`` on CPU ranks (gloo): fit on dp=2 and tp=2 runs of one model, check held-out plans.
+
+    python benchmarks/calibrate_cpu.py [--fit-model gpt-tiny] [--models gpt-tiny llama-tiny] [--batch 8] [--seq 32]
+                                       [--profile2 p2.yaml] [--profile4 p4.yaml] [--rounds 2] [--out DIR]
+
+1. Base profiles of this machine with 2 and 4 ranks (``autopar profile --quick``, or ``--profile2/--profile4``).
+2. Fit: the planner's pure-DP (``pp=1 dp=2 tp=1 zero=0``) and pure-TP (``tp=2``) plans of ``--fit-model`` on 2 ranks
+   run under ``autopar calibrate``'s attribution (:func:`autopar.planner.calibrate.measure_plan`); the factors are
+   fitted to them (:func:`autopar.planner.calibrate.calibrate`).  The 2-rank fitted profile is the base with the
+   factors; the 4-rank one is the 4-rank base with the same factors (``autopar calibrate --apply``).
+3. Held out (never fitted on): for every ``--models`` model, the plans the planner makes with the fitted profile
+   under the pins ``pp=2`` (2 ranks), ``pp=1 dp=2 tp=2`` and ``pp=2 dp=2 tp=1`` (4 ranks), run and measured the same way.
+
+Prints, per plan, the prediction of the base profile and of the fitted one against the measured step time
+(measured / predicted; the target is within 20%, i.e. 0.83-1.20), each plan's fastest of ``--rounds`` interleaved
+runs, and the benchmark's CPU seconds (this process and its children) beside its wall seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from autopar import ir
+from autopar.planner.calibrate import RunMeasurement, calibrate, measure_plan, plan_graph, predict
+from autopar.planner.options import PlanOptions
+from autopar.planner.search import search
+from autopar.profiles.profiler import run_profile_command
+from autopar.profiles.refit import apply_factors, provenance
+from autopar.profiles.schema import ClusterProfile, load_profile, save_profile
+from autopar.zoo import build
+
+FIT = {"dp=2": {"pp": 1, "dp": 2, "tp": 1, "zero": 0}, "tp=2": {"pp": 1, "dp": 1, "tp": 2}}
+HELD_OUT = {"pp=2": (2, {"pp": 2, "dp": 1, "tp": 1}), "dp=2 x tp=2": (4, {"pp": 1, "dp": 2, "tp": 2}),
+            "pp=2 x dp=2": (4, {"pp": 2, "dp": 2, "tp": 1})}
+
+
+def cpu_s() -> float:
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def base_profile(path: str | None, ranks: int, out: Path) -> ClusterProfile:
+    if path:
+        prof = load_profile(path)
+        if prof.world_size != ranks:
+            raise ValueError(f"{path} has {prof.world_size} ranks, expected {ranks}")
+        return prof
+    return run_profile_command(out / f"base{ranks}.yaml", ranks, quick=True, progress=False)
+
+
+def graph_of(model: str, seq: int | None) -> ir.Graph:
+    meta = build(model, batch=1, device="meta", seq=seq)
+    return ir.verify(ir.trace(meta.model, meta.example_inputs, frontend="fx", model_name=model))
+
+
+def make_plan(graph: ir.Graph, prof: ClusterProfile, batch: int, pins: dict) -> ir.Plan:
+    return search(graph, prof, PlanOptions(global_batch=batch, dtype="float32", top_k=0, pins=pins, workers=1)).best
+
+
+def measure_rounds(paths: dict[str, tuple[Path, str]], args: argparse.Namespace) -> dict[str, RunMeasurement]:
+    """Each plan ``rounds`` times, interleaved; the fastest round's measurement is kept."""
+    out: dict[str, RunMeasurement] = {}
+    for _ in range(args.rounds):
+        for key, (path, model) in paths.items():
+            m = measure_plan(path, model, steps=args.steps, warmup=args.warmup, profiled=args.profiled, seq=args.seq)
+            if key not in out or m.step_s < out[key].step_s:
+                out[key] = m
+    return out
+
+
+def describe(p: ir.Plan) -> str:
+    return (f"pp={p.mesh.pp} dp={p.mesh.dp} tp={p.mesh.tp} z{p.zero} mb={p.micro_batch}x{p.num_microbatches} "
+            f"{p.schedule}")
+
+
+def row(label: str, plan: ir.Plan, before: float, after: float, meas: RunMeasurement) -> str:
+    return (f"{label:34}{describe(plan):34}{before * 1e3:9.2f}{after * 1e3:9.2f}{meas.step_s * 1e3:9.2f}"
+            f"{meas.step_s / before:9.2f}{meas.step_s / after:9.2f}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--fit-model", default="gpt-tiny")
+    ap.add_argument("--models", nargs="+", default=["gpt-tiny", "llama-tiny"])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--profiled", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--profile2", default=None)
+    ap.add_argument("--profile4", default=None)
+    ap.add_argument("--out", default=None, help="keep plans, profiles and the results JSON here")
+    args = ap.parse_args()
+    wall0, cpu0 = time.perf_counter(), cpu_s()
+    out = Path(args.out or tempfile.mkdtemp(prefix="autopar-calibrate-bench-"))
+    out.mkdir(parents=True, exist_ok=True)
+    base = {2: base_profile(args.profile2, 2, out), 4: base_profile(args.profile4, 4, out)}
+    graphs = {m: graph_of(m, args.seq) for m in dict.fromkeys([args.fit_model, *args.models])}
+
+    fit_plans = {k: make_plan(graphs[args.fit_model], base[2], args.batch, pins) for k, pins in FIT.items()}
+    paths = {}
+    for k, p in fit_plans.items():
+        paths[k] = (out / f"fit-{args.fit_model}-{k.replace('=', '')}.yaml", args.fit_model)
+        ir.dump_plan(p, paths[k][0])
+    fit_meas = measure_rounds(paths, args)
+    runs = [(fit_plans[k], plan_graph(fit_plans[k], args.fit_model, args.seq), fit_meas[k]) for k in FIT]
+    fit = calibrate(base[2], runs)
+    fitted = {2: provenance(base[2], fit, f"{args.fit_model} dp=2 and tp=2 runs (benchmarks/calibrate_cpu.py)"),
+              4: apply_factors(base[4], fit.factors, note=f"factors fitted on 2 ranks ({args.fit_model} dp=2, tp=2)")}
+    for n, prof in fitted.items():
+        save_profile(prof, out / f"fitted{n}.yaml")
+
+    held: dict[str, tuple[ir.Plan, ir.Plan, int]] = {}
+    hpaths = {}
+    for model in args.models:
+        for k, (world, pins) in HELD_OUT.items():
+            plan = make_plan(graphs[model], fitted[world], args.batch, pins)
+            before = predict(graphs[model], base[world], plan)
+            key = f"{model} {k} ({world} ranks)"
+            held[key] = (plan, before, world)
+            hpaths[key] = (out / f"held-{model}-{k.replace(' ', '').replace('=', '')}.yaml", model)
+            ir.dump_plan(plan, hpaths[key][0])
+    held_meas = measure_rounds(hpaths, args)
+
+    print(f"base profiles: {base[2].name} / {base[4].name}; global batch {args.batch}, seq {args.seq}, float32, "
+          f"fastest of {args.rounds} round(s), median of {args.steps - args.warmup - args.profiled} unprofiled steps")
+    print("fitted factors: " + ", ".join(f"{k} x{v:.3g}" + ("" if fit.determined.get(k) else " (undetermined)")
+                                         for k, v in fit.factors.items()))
+    print(f"{'plan':34}{'choices':34}{'base ms':>9}{'fit ms':>9}{'meas ms':>9}{'m/base':>9}{'m/fit':>9}")
+    results = {}
+    for k, p in fit_plans.items():
+        after = predict(runs[0][1], fitted[2], p)
+        print(row(f"FIT  {args.fit_model} {k} (2 ranks)", p, predict(runs[0][1], base[2], p).time.total,
+                  after.time.total, fit_meas[k]))
+    within = 0
+    for key, (plan, before, _) in held.items():
+        m = held_meas[key]
+        print(row(f"HELD {key}", plan, before.time.total, plan.time.total, m))
+        ratio = m.step_s / plan.time.total
+        within += 0.8 <= ratio <= 1.2
+        results[key] = {"predicted_fit_s": plan.time.total, "predicted_base_s": before.time.total,
+                        "measured_s": m.step_s, "ratio": ratio}
+    wall, cpu = time.perf_counter() - wall0, cpu_s() - cpu0
+    print(f"held-out within 20%: {within} of {len(held)}")
+    print(f"benchmark: {wall:.1f} s wall, {cpu:.1f} s CPU (this process and its children)")
+    (out / "results.json").write_text(json.dumps({"factors": fit.factors, "held_out": results, "wall_s": wall,
+                                                   "cpu_s": cpu}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,300 @@
+"""``autopar calibrate``: run plans, attribute the measured time, fit the profile, and say how far off it was.
+
+For each plan: ``autopar run`` under the attribution hook (:mod:`autopar.planner.run.attribution`) for ``steps`` steps,
+the last ``profiled`` of them under ``torch.profiler``.  The measured step time is the median of the steps after
+warm-up that ran *without* the profiler; the profiled window gives each rank's split into compute, collectives,
+p2p (transfer + bubble), idle and optimizer, rescaled to that step time.
+
+The fit compares, per plan, the prediction's critical-rank breakdown with the measured one (the busiest rank):
+
+    [compute, exposed communication, optimizer, step total]  (each relative to the measured step time)
+
+The prediction of a plan under a candidate profile is the planner's own: the search re-run with the plan's mesh,
+ZeRO level, micro-batch, schedule and recompute pinned (:func:`predict`), so calibration checks the same code path
+``autopar plan`` uses.  The factors are fitted by :func:`autopar.profiles.refit.fit_factors` and written as a profile
+(``-o fitted.yaml``) with its provenance, plus a JSON sidecar (``fitted.yaml.calibration.json``) holding the factors,
+the measurements and the predictions before and after.  ``--apply SIDECAR`` carries fitted factors over to another
+base profile of the same machine (e.g. measured with 4 ranks after fitting on 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import statistics
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autopar import ir
+from autopar.ir.graph import Graph
+from autopar.ir.plan import Plan
+from autopar.planner.options import PlanOptions
+from autopar.planner.run import attribution
+from autopar.profiles.refit import FitResult, apply_factors, factor_names, fit_factors, provenance
+from autopar.profiles.schema import ClusterProfile, save_profile
+
+__all__ = ["RunMeasurement", "measure_plan", "plan_pins", "predict", "observation", "calibrate", "stage_table",
+           "load_factors", "add_parser", "cmd_calibrate", "FIT_FACTORS"]
+
+log = logging.getLogger(__name__)
+
+FIT_FACTORS = ("matmul", "vector", "memory", "overhead", "overlap")
+"""Device factors fitted by default (``overlap`` where the schema has it; collective factors are added for the
+collectives the plans run)."""
+_OBS = ("compute", "comm", "optimizer", "total")
+
+
+@dataclass(kw_only=True, slots=True)
+class RunMeasurement:
+    """One plan run: the measured step time and each rank's attribution (seconds per step)."""
+
+    plan_path: str
+    model: str
+    mesh: tuple[int, int, int]
+    step_s: float
+    """Median step time of the unprofiled steps after warm-up."""
+    ranks: list[dict[str, float]] = field(default_factory=list)
+    """Per rank (index = global rank): compute, comm, p2p, idle, optimizer, matmul, step; scaled to ``step_s``."""
+    seq: int | None = None
+
+    def critical(self) -> dict[str, float]:
+        """The busiest rank's attribution (largest compute + comm + optimizer)."""
+        return max(self.ranks, key=lambda r: r["compute"] + r["comm"] + r["optimizer"])
+
+    def stage(self, plan: Plan, index: int) -> dict[str, float]:
+        """Mean attribution over the ranks that run pipeline stage ``index``."""
+        pp_rank = index % plan.mesh.pp
+        rows = [r for g, r in enumerate(self.ranks) if plan.mesh.coords(g)[0] == pp_rank]
+        return {k: statistics.fmean(r[k] for r in rows) for k in rows[0]} if rows else {}
+
+
+@contextlib.contextmanager
+def _env(values: dict[str, str]) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def measure_plan(plan_path: str | Path, model: str, *, steps: int = 16, warmup: int = 4, profiled: int = 4,
+                 seq: int | None = None, timeout_s: float = 600.0) -> RunMeasurement:
+    """Run the plan with torchrun on this machine and attribute its time (see the module docstring)."""
+    from autopar.planner.run.torchrun import run_plan
+
+    if warmup < 1 or profiled < 1 or steps < warmup + profiled + 2:
+        raise ValueError(f"need warmup >= 1, profiled >= 1 and steps >= warmup + profiled + 2, got steps={steps}, "
+                         f"warmup={warmup}, profiled={profiled}")
+    plan = ir.load_plan(plan_path)
+    with tempfile.TemporaryDirectory(prefix="autopar-calibrate-") as d:
+        rep = Path(d) / "report.json"
+        args = ["--report", str(rep), "--warmup", str(warmup),
+                "--step-hook", "autopar.planner.run.attribution:profile_step"] + (["--seq", str(seq)] if seq else [])
+        env = {attribution.ENV_DIR: d, attribution.ENV_START: str(steps - profiled),
+               attribution.ENV_STOP: str(steps)}
+        with _env(env):
+            rc = run_plan(plan_path, model, steps, worker_args=args, timeout_s=timeout_s)
+        if rc != 0:
+            raise RuntimeError(f"running {plan_path} failed (torchrun exit code {rc})")
+        report = json.loads(rep.read_text())
+        ranks = [json.loads((Path(d) / f"rank{r}.json").read_text()) for r in range(plan.world_size)]
+    times = report["step_times"][warmup:steps - profiled]
+    step_s = statistics.median(times)
+    scaled = []
+    for r in ranks:
+        k = step_s / r["step"]
+        scaled.append({c: r[c] * k for c in (*attribution.CATEGORIES, "matmul", "step")})
+    return RunMeasurement(plan_path=str(plan_path), model=model, mesh=(plan.mesh.pp, plan.mesh.dp, plan.mesh.tp),
+                          step_s=step_s, ranks=scaled, seq=seq)
+
+
+def plan_pins(plan: Plan) -> dict[str, int | str]:
+    """Pins that make the search reproduce ``plan``'s choices (mesh, ZeRO, micro-batch, schedule, recompute)."""
+    order = ("none", "selective", "full")
+    rc = max((str(s.recompute) for s in plan.stages), key=order.index, default="none")
+    return {"pp": plan.mesh.pp, "dp": plan.mesh.dp, "tp": plan.mesh.tp, "zero": plan.zero,
+            "micro_batch": plan.micro_batch, "schedule": str(plan.schedule), "virtual_stages": plan.virtual_stages,
+            "recompute": rc}
+
+
+def predict(graph: Graph, profile: ClusterProfile, plan: Plan) -> Plan:
+    """The planner's prediction for ``plan``'s choices under ``profile`` (the search with the choices pinned)."""
+    from autopar.planner.search import search
+
+    opts = PlanOptions(global_batch=plan.global_batch, dtype=plan.dtype, pins=plan_pins(plan), top_k=0,  # type: ignore
+                       workers=1, fused_kernels=plan.fused_kernels)
+    return search(graph, profile, opts).best
+
+
+def observation(plan: Plan) -> list[float]:
+    """The predicted ``[compute, comm, optimizer, total]`` of a plan (critical pipeline rank)."""
+    t = plan.time
+    return [t.compute + getattr(t, "contention", 0.0), t.exposed_comm, t.optimizer, t.total]
+
+
+def measured_observation(m: RunMeasurement) -> list[float]:
+    """The measured counterpart of :func:`observation`: the busiest rank's compute, collectives and optimizer."""
+    c = m.critical()
+    return [c["compute"], c["comm"], c["optimizer"], m.step_s]
+
+
+def plan_graph(plan: Plan, model: str, seq: int | None) -> Graph:
+    """The model traced as the plan was made (fingerprint-matched, see the worker)."""
+    from autopar.planner.run.worker import _plan_graph
+
+    return _plan_graph(plan, model, seq)
+
+
+def _collectives(plans: Sequence[Plan]) -> list[str]:
+    """Collectives the plans' predictions charge: all_reduce for dp/tp sync and ZeRO's gathers, p2p for pp."""
+    out: list[str] = []
+    for p in plans:
+        if p.mesh.dp > 1 or p.mesh.tp > 1:
+            out.append("all_reduce")
+        if p.mesh.dp > 1 and p.zero >= 1:
+            out += ["all_gather", "reduce_scatter"]
+        if p.mesh.tp > 1:
+            out += sorted({c for o in p.op_shardings for c in o.comm.split("+") if c})
+        if p.mesh.pp > 1:
+            out.append("p2p")
+    return list(dict.fromkeys(out))
+
+
+def calibrate(base: ClusterProfile, runs: Sequence[tuple[Plan, Graph, RunMeasurement]], *,
+              names: Sequence[str] | None = None, prior: float = 1e-3) -> FitResult:
+    """Fit ``base``'s factors to the runs (see the module docstring); ``names`` defaults to :data:`FIT_FACTORS`
+    plus alpha/beta of the collectives the plans run (and ``overlap`` where the schema has it)."""
+    if not runs:
+        raise ValueError("calibrate needs at least one measured run")
+    if names is None:
+        colls = _collectives([p for p, _, _ in runs])
+        names = [n for n in factor_names(colls, base) if "." in n or n in FIT_FACTORS]
+    measured, scale = [], []
+    for _, _, m in runs:
+        measured += measured_observation(m)
+        scale += [m.step_s] * len(_OBS)
+    plans = [p for p, _, _ in runs]
+
+    def observe(factors: dict[str, float]) -> list[float]:
+        prof = apply_factors(base, factors)
+        out: list[float] = []
+        for p, g, _ in runs:
+            out += observation(predict(g, prof, p))
+        return out
+
+    if any(predict(g, base, p).mesh != p.mesh for p, g, _ in runs):
+        raise ValueError("a plan's choices are not reproducible under the base profile (different mesh)")
+    log.info("fitting %s to %d plan(s)", ", ".join(names), len(plans))
+    return fit_factors(list(names), observe, measured, scale, prior=prior)
+
+
+def stage_table(plan: Plan, m: RunMeasurement, before: Plan, after: Plan | None = None) -> str:
+    """Predicted (before/after the fit) vs measured, per stage and for the step, as text."""
+    hdr = f"{'':10}{'pred before':>12}" + (f"{'pred after':>12}" if after else "") + f"{'measured':>11}"
+    hdr += f"{'meas/before':>12}" + (f"{'meas/after':>11}" if after else "")
+    rows = [f"{Path(m.plan_path).name}: pp={plan.mesh.pp} dp={plan.mesh.dp} tp={plan.mesh.tp} zero={plan.zero} "
+            f"mb={plan.micro_batch}x{plan.num_microbatches} {plan.schedule}", hdr]
+
+    def row(label: str, pb: float, pa: float | None, meas: float) -> str:
+        s = f"{label:10}{pb * 1e3:10.3f}ms" + (f"{pa * 1e3:10.3f}ms" if pa is not None else "")
+        s += f"{meas * 1e3:9.3f}ms{meas / pb if pb > 0 else float('nan'):12.2f}"
+        return s + (f"{meas / pa if pa else float('nan'):11.2f}" if pa is not None else "")
+
+    for k, st in enumerate(plan.stages):
+        meas = m.stage(plan, k)
+        busy = meas.get("compute", 0.0) + meas.get("comm", 0.0)
+        sb = before.stages[k] if k < len(before.stages) else st
+        sa = after.stages[k] if after is not None and k < len(after.stages) else None
+        rows.append(row(f"stage {k}", (sb.fwd_s + sb.bwd_s) * before.num_microbatches,
+                        (sa.fwd_s + sa.bwd_s) * after.num_microbatches if sa is not None and after else None, busy))
+    c = m.critical()
+    parts = (("compute", "compute", "compute"), ("comm", "exposed_comm", "comm"),
+             ("p2p+bubble", "bubble", "p2p"), ("optimizer", "optimizer", "optimizer"))
+    for label, attr, key in parts:
+        rows.append(row(label, getattr(before.time, attr), getattr(after.time, attr) if after else None, c[key]))
+    rows.append(f"{'idle':10}{'':>12}" + (f"{'':>12}" if after else "") + f"{c['idle'] * 1e3:9.3f}ms")
+    rows.append(row("step", before.time.total, after.time.total if after else None, m.step_s))
+    return "\n".join(rows)
+
+
+def load_factors(path: str | Path) -> dict[str, float]:
+    """The fitted factors from a calibration sidecar JSON."""
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict) or not isinstance(data.get("factors"), dict):
+        raise ValueError(f"{path}: not an autopar calibration sidecar (no 'factors' mapping)")
+    return {str(k): float(v) for k, v in data["factors"].items()}
+
+
+def add_parser(sub: Any) -> None:
+    """The ``calibrate`` subcommand's arguments (on the CLI's subparsers)."""
+    c = sub.add_parser("calibrate", help="run plans, attribute the measured time, fit the cluster profile to it")
+    c.add_argument("plans", nargs="*", help="plan YAMLs to run and fit on (the same model; e.g. dp=2 and tp=2)")
+    c.add_argument("--model", help="zoo model name or package.module:factory")
+    c.add_argument("--cluster", required=True, help="base profile (YAML or built-in) whose coefficients are fitted")
+    c.add_argument("-o", "--output", required=True, help="write the fitted profile YAML here (+ .calibration.json)")
+    c.add_argument("--steps", type=int, default=16)
+    c.add_argument("--warmup", type=int, default=4, help="steps excluded from the timing")
+    c.add_argument("--profiled", type=int, default=4, help="last steps run under torch.profiler (attribution only)")
+    c.add_argument("--seq", type=int, default=None, help="sequence length override (as given to autopar run)")
+    c.add_argument("--apply", default=None,
+                   help="instead of running: apply the factors of this calibration JSON to --cluster")
+    c.set_defaults(func=cmd_calibrate)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from autopar.planner.api import resolve_cluster
+
+    base = resolve_cluster(args.cluster)
+    out = Path(args.output)
+    if args.apply:
+        factors = load_factors(args.apply)
+        prof = apply_factors(base, factors, note=f"factors of {args.apply}")
+        save_profile(_renamed(prof, base, f"factors of {args.apply}"), out)
+        print(f"wrote {out}: {base.name} with " + ", ".join(f"{k} x{v:.3g}" for k, v in sorted(factors.items())))
+        return 0
+    if not args.plans or not args.model:
+        raise ValueError("calibrate needs plan YAMLs and --model (or --apply CALIBRATION.json)")
+    runs = []
+    for path in args.plans:
+        plan = ir.load_plan(path)
+        if plan.world_size != base.world_size:
+            raise ValueError(f"{path} needs {plan.world_size} ranks but --cluster {base.name} has {base.world_size}")
+        m = measure_plan(path, args.model, steps=args.steps, warmup=args.warmup, profiled=args.profiled,
+                         seq=args.seq)
+        runs.append((plan, plan_graph(plan, args.model, args.seq), m))
+    fit = calibrate(base, runs)
+    what = ", ".join(f"{Path(p).name} ({args.model})" for p in args.plans)
+    fitted = provenance(base, fit, what)
+    save_profile(fitted, out)
+    sidecar = out.with_name(out.name + ".calibration.json")
+    befores = [predict(g, base, p) for p, g, _ in runs]
+    afters = [predict(g, fitted, p) for p, g, _ in runs]
+    sidecar.write_text(json.dumps({
+        "base": base.name, "base_source": base.source, "model": args.model, "plans": list(args.plans),
+        "factors": fit.factors, "determined": fit.determined, "cost_before": fit.cost_before,
+        "cost_after": fit.cost_after, "observations": list(_OBS), "measured": fit.measured, "before": fit.before,
+        "after": fit.after, "runs": [asdict(m) for _, _, m in runs]}, indent=1))
+    for (p, _, m), b, a in zip(runs, befores, afters):
+        print(stage_table(p, m, b, a) + "\n")
+    print("fitted factors: " + ", ".join(f"{k} x{v:.3g}" + ("" if fit.determined.get(k) else " (undetermined)")
+                                         for k, v in fit.factors.items()))
+    print(f"wrote {out} and {sidecar}; re-plan with: autopar plan MODEL --cluster {out} ...")
+    return 0
+
+
+def _renamed(prof: ClusterProfile, base: ClusterProfile, what: str) -> ClusterProfile:
+    from dataclasses import replace
+
+    return replace(prof, name=f"{base.name}-calibrated", source=f"{base.source}; calibrated ({what})")
+

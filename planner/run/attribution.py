@@ -1,0 +1,139 @@
+"""Where a measured training step's time goes, per rank: the ``autopar calibrate`` step hook and its attribution.
+
+The worker (:mod:`autopar.planner.run.worker`) calls :func:`profile_step` after every step when launched with
+``--step-hook autopar.planner.run.attribution:profile_step``.  It profiles steps ``START+1 .. STOP`` with
+``torch.profiler`` (CPU activity; CUDA too where available) and writes ``rank<R>.json`` under ``DIR``, from the
+environment variables ``AUTOPAR_CALIBRATE_DIR``, ``AUTOPAR_CALIBRATE_START`` and ``AUTOPAR_CALIBRATE_STOP``.
+
+:func:`attribute` splits the profiled window of the rank's main (training) thread into
+
+- ``comm``: collectives (``c10d::*`` and functional collectives, DTensor's included), outermost calls;
+- ``p2p``: pipeline sends and receives (``c10d::send``/``recv``), which hold the transfer *and* the pipeline bubble
+  (a stage waiting for its neighbour);
+- ``idle``: barriers (the step-time barriers of the worker: waiting for the slowest rank);
+- ``optimizer``: ``Optimizer.step`` and ``zero_grad``;
+- ``compute``: the rest of the window (ops and the eager framework time between them), of which ``matmul`` is the part
+  inside matmul-like ops (mm, addmm, bmm, linear, attention, convolution).
+
+Times are per step (the window divided by the number of profiled steps).  On CUDA the host timeline still attributes
+waits (collectives and synchronizations block the host), so the same split applies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Protocol
+
+__all__ = ["ENV_DIR", "ENV_START", "ENV_STOP", "CATEGORIES", "category", "attribute", "profile_step"]
+
+ENV_DIR, ENV_START, ENV_STOP = "AUTOPAR_CALIBRATE_DIR", "AUTOPAR_CALIBRATE_START", "AUTOPAR_CALIBRATE_STOP"
+CATEGORIES = ("compute", "comm", "p2p", "idle", "optimizer")
+_MATMUL = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::matmul", "aten::linear",
+           "aten::scaled_dot_product_attention", "aten::_scaled_dot_product", "aten::conv", "aten::_conv",
+           "aten::convolution", "aten::cudnn_convolution", "aten::mkldnn_convolution")
+_P2P = ("c10d::send", "c10d::recv", "c10d::isend", "c10d::irecv", "c10d::batch_isend_irecv")
+
+
+class _Event(Protocol):
+    name: str
+    start_us: float
+    end_us: float
+    parent: int | None
+
+
+def category(name: str) -> str | None:
+    """The attribution category of a profiler event name (None: part of whatever encloses it, or compute)."""
+    if name.startswith("Optimizer."):
+        return "optimizer"
+    if "barrier" in name:
+        return "idle"
+    if name.startswith(_P2P):
+        return "p2p"
+    if name.startswith(("c10d::", "_c10d_functional::", "c10d_functional::")) or name in (
+            "aten::wait", "wait_tensor", "record_param_comms"):
+        return "comm"
+    if name.startswith(_MATMUL):
+        return "matmul"
+    return None
+
+
+def attribute(events: Iterable[tuple[str, float, float, int | None]], window_s: float, steps: int) -> dict[str, float]:
+    """Seconds per step in each of :data:`CATEGORIES` (plus ``matmul`` within ``compute`` and ``step``).
+
+    ``events``: ``(name, start_s, end_s, parent_index)`` of one thread, ``parent_index`` indexing the same list (None
+    for a top-level event).  Each event counts in the category of its outermost categorised ancestor-or-self, so a
+    collective inside DTensor's redistribution counts as communication and a matmul inside it does not count twice.
+    """
+    if steps < 1 or window_s <= 0:
+        raise ValueError(f"need steps >= 1 and a positive window, got steps={steps}, window_s={window_s}")
+    evs = list(events)
+    cats: list[str | None] = []
+    tot: Counter[str] = Counter()
+    for name, start, end, parent in evs:
+        if parent is not None and not 0 <= parent < len(cats):
+            raise ValueError(f"event {name!r}: parent {parent} must come earlier in the list")
+        inherited = cats[parent] if parent is not None else None
+        own = category(name)
+        cats.append(inherited or own)
+        if own is not None and inherited is None:
+            tot[own] += max(0.0, end - start)
+    out = {c: tot[c] / steps for c in ("comm", "p2p", "idle", "optimizer", "matmul")}
+    out["step"] = window_s / steps
+    out["compute"] = max(0.0, out["step"] - out["comm"] - out["p2p"] - out["idle"] - out["optimizer"])
+    return out
+
+
+def _main_thread_events(prof: Any) -> list[tuple[str, float, float, int | None]]:
+    """``(name, start_s, end_s, parent_index)`` of the thread with the most events (the training loop), in start
+    order, parents first."""
+    evs = [e for e in prof.events() if getattr(e, "device_type", None) is None or str(e.device_type).endswith("CPU")]
+    if not evs:
+        return []
+    main = Counter(e.thread for e in evs).most_common(1)[0][0]
+    mine = sorted((e for e in evs if e.thread == main), key=lambda e: (e.time_range.start, -e.time_range.end))
+    index = {id(e): i for i, e in enumerate(mine)}
+    out = []
+    for e in mine:
+        par = e.cpu_parent
+        while par is not None and id(par) not in index:
+            par = par.cpu_parent
+        p = index.get(id(par)) if par is not None else None
+        out.append((e.name, e.time_range.start * 1e-6, e.time_range.end * 1e-6, p))
+    return out
+
+
+class _State:
+    prof: Any = None
+    t0: float = 0.0
+
+
+def profile_step(step: int) -> None:
+    """Worker step hook (``--step-hook autopar.planner.run.attribution:profile_step``); see the module docstring."""
+    import time
+
+    import torch
+
+    out_dir = os.environ.get(ENV_DIR)
+    if not out_dir:
+        return
+    start, stop = int(os.environ[ENV_START]), int(os.environ[ENV_STOP])
+    if step == start:
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        _State.prof = torch.profiler.profile(activities=acts)
+        _State.prof.__enter__()
+        _State.t0 = time.perf_counter()
+    elif step == stop and _State.prof is not None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        window = time.perf_counter() - _State.t0
+        _State.prof.__exit__(None, None, None)
+        rank = int(os.environ.get("RANK", "0"))
+        res = attribute(_main_thread_events(_State.prof), window, stop - start)
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"rank": rank, "steps": stop - start, **res}))
+        _State.prof = None

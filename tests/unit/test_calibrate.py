@@ -1,0 +1,198 @@
+"""``autopar calibrate``'s mechanics without processes: factor application, the fit, attribution, the sidecar CLI.
+
+Every fit here is checked on data it was *not* fitted to: synthetic measurements are generated from a profile with
+known factors, the fit sees one set of ops/plans, and the check uses another.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from autopar import ir
+from autopar.planner.calibrate import RunMeasurement, calibrate, load_factors, observation, predict
+from autopar.planner.cli import main
+from autopar.planner.options import PlanOptions
+from autopar.planner.run.attribution import attribute, category
+from autopar.planner.search import search
+from autopar.profiles import (
+    COLLECTIVES,
+    AlphaBeta,
+    ClusterProfile,
+    CostModel,
+    DeviceProfile,
+    EfficiencyPoint,
+    LinkProfile,
+    load_profile,
+    save_profile,
+)
+from autopar.profiles.refit import OVERLAP_FIELD, apply_factors, factor_names, fit_factors, provenance
+from autopar.zoo import build
+
+
+def cpu_like(ranks: int = 2) -> ClusterProfile:
+    """A small CPU-rank-like profile: slow collectives, 100 GFLOP/s."""
+    ab = {k: tuple(AlphaBeta(group_size=g, alpha_s=3e-4, busbw=5e8) for g in ((2,) if k == "p2p" else (2, ranks)
+                                                                              if ranks > 2 else (2,)))
+          for k in COLLECTIVES}
+    dev = DeviceProfile(name="cpu-like", memory_bytes=8 * 2**30, peak_flops={"float32": 1e11, "bfloat16": 1e11},
+                        matmul_efficiency={"default": (EfficiencyPoint(flops=1e5, efficiency=0.2),
+                                                       EfficiencyPoint(flops=1e8, efficiency=1.0))},
+                        memory_bandwidth=2e10, launch_overhead_s=4e-6, vector_flops=5e10)
+    return ClusterProfile(schema_version=1, name="cpu-like", source="synthetic", nodes=1, devices_per_node=ranks,
+                          device=dev, links={"intra_node": LinkProfile(level="intra_node", **ab)})  # type: ignore
+
+
+def test_apply_factors_scales_each_term() -> None:
+    base = cpu_like()
+    f = {"matmul": 2.0, "memory": 4.0, "overhead": 3.0, "all_reduce.alpha": 5.0, "all_reduce.beta": 0.5}
+    new, old = CostModel(apply_factors(base, f)), CostModel(base)
+    o_old, o_new = base.device.launch_overhead_s, 3.0 * base.device.launch_overhead_s
+    # compute-bound matmul: its math doubles, the overhead triples
+    assert new.op_time(1e9, 1.0, "float32", "matmul") - o_new == pytest.approx(
+        2 * (old.op_time(1e9, 1.0, "float32", "matmul") - o_old))
+    # memory-bound pointwise op: bytes / bandwidth x4
+    assert new.op_time(1.0, 1e8, "float32", "pointwise") - o_new == pytest.approx(
+        4 * (old.op_time(1.0, 1e8, "float32", "pointwise") - o_old))
+    a_old, a_new = old.collective_time("all_reduce", 0, 2), new.collective_time("all_reduce", 0, 2)
+    assert a_new == pytest.approx(5 * a_old)
+    b_old = old.collective_time("all_reduce", 1e7, 2) - a_old
+    assert new.collective_time("all_reduce", 1e7, 2) - a_new == pytest.approx(0.5 * b_old)
+    assert new.collective_time("all_to_all", 1e7, 2) == old.collective_time("all_to_all", 1e7, 2)
+    assert apply_factors(base, {}) == base
+    with pytest.raises(ValueError, match="unknown factor"):
+        apply_factors(base, {"bogus": 2.0})
+    with pytest.raises(ValueError, match="positive"):
+        apply_factors(base, {"matmul": 0.0})
+
+
+def test_overlap_is_a_clamped_shift_when_the_schema_has_it() -> None:
+    base = cpu_like()
+    if not hasattr(base.device, OVERLAP_FIELD):
+        pytest.skip("the profile schema has no overlap field")
+    assert "overlap" in factor_names(("all_reduce",), base)
+    assert getattr(apply_factors(base, {"overlap": 1.25}).device, OVERLAP_FIELD) == pytest.approx(0.25)
+    assert getattr(apply_factors(base, {"overlap": 0.5}).device, OVERLAP_FIELD) == 0.0
+    assert getattr(apply_factors(base, {"overlap": 9.0}).device, OVERLAP_FIELD) == 1.0
+
+
+def _op_times(prof: ClusterProfile, ops: list[tuple[float, float, str]], colls: list[tuple[str, float]]) -> list[float]:
+    cm = CostModel(prof)
+    return [cm.op_time(f, b, "float32", k) for f, b, k in ops] + [cm.collective_time(k, s, 2) for k, s in colls]
+
+
+def test_fit_recovers_known_factors_and_predicts_other_sizes() -> None:
+    base = cpu_like()
+    truth = {"matmul": 3.0, "vector": 1.0, "memory": 2.0, "overhead": 7.0, "all_reduce.alpha": 2.0,
+             "all_reduce.beta": 1.5}
+    fit_ops = [(2e5, 1e4, "matmul"), (5e7, 2e5, "matmul"), (3e8, 1e6, "matmul"), (1e3, 4e6, "pointwise"),
+               (1e2, 1e3, "norm"), (1e3, 3e7, "softmax")]
+    fit_colls = [("all_reduce", 1e3), ("all_reduce", 1e7)]
+    held_ops = [(1e8, 3e5, "matmul"), (4e6, 1e4, "matmul"), (1e4, 1e7, "pointwise"), (1e4, 3e5, "reduction")]
+    held_colls = [("all_reduce", 3e5), ("all_reduce", 4e7)]
+    measured = _op_times(apply_factors(base, truth), fit_ops, fit_colls)
+
+    fit = fit_factors(list(truth), lambda k: _op_times(apply_factors(base, k), fit_ops, fit_colls), measured,
+                      prior=1e-8, iterations=40)
+    assert fit.cost_after < 1e-6 < fit.cost_before
+    for k in ("matmul", "memory", "overhead", "all_reduce.alpha", "all_reduce.beta"):
+        assert fit.factors[k] == pytest.approx(truth[k], rel=0.02), k
+    # no op is compute-bound at vector rate, so vector is not determined by these data and stays at 1
+    assert fit.factors["vector"] == pytest.approx(1.0, abs=0.02) and not fit.determined["vector"]
+    got = _op_times(apply_factors(base, fit.factors), held_ops, held_colls)
+    want = _op_times(apply_factors(base, truth), held_ops, held_colls)
+    for g, w in zip(got, want):
+        assert g == pytest.approx(w, rel=0.02)
+
+
+def test_fit_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="distinct"):
+        fit_factors(["a", "a"], lambda k: [1.0], [1.0])
+    with pytest.raises(ValueError, match="finite"):
+        fit_factors(["a"], lambda k: [1.0, 2.0], [1.0])
+
+
+def test_attribution_outermost_category_wins() -> None:
+    events = [
+        ("aten::linear", 0.000, 0.010, None),
+        ("aten::addmm", 0.001, 0.009, 0),                  # matmul inside linear: counted once, as matmul
+        ("Redistribute", 0.010, 0.020, None),
+        ("c10d::allreduce_", 0.011, 0.019, 2),             # a DTensor collective: comm
+        ("c10d::barrier", 0.020, 0.025, None),             # the worker's step barrier: idle
+        ("c10d::recv_", 0.025, 0.030, None),               # pipeline wait
+        ("Optimizer.step#AdamW.step", 0.030, 0.038, None),
+        ("aten::add_", 0.031, 0.032, 6),                   # inside the optimizer: not compute
+    ]
+    a = attribute(events, window_s=0.080, steps=2)
+    assert a["step"] == pytest.approx(0.040)
+    assert a["matmul"] == pytest.approx(0.005)
+    assert a["comm"] == pytest.approx(0.004)
+    assert a["idle"] == pytest.approx(0.0025)
+    assert a["p2p"] == pytest.approx(0.0025)
+    assert a["optimizer"] == pytest.approx(0.004)
+    assert a["compute"] == pytest.approx(0.040 - 0.004 - 0.0025 - 0.0025 - 0.004)
+    assert category("_c10d_functional::all_gather_into_tensor") == "comm"
+    assert category("aten::gelu") is None
+    with pytest.raises(ValueError, match="parent"):
+        attribute([("x", 0.0, 1.0, 3)], 1.0, 1)
+
+
+def _graph(name: str) -> ir.Graph:
+    spec = build(name, batch=1, device="meta", seq=16)
+    return ir.verify(ir.trace(spec.model, spec.example_inputs, frontend="fx", model_name=name))
+
+
+def _synthetic_run(plan: ir.Plan, truth_plan: ir.Plan) -> RunMeasurement:
+    """A run measured as the truth profile predicts it (critical rank = every rank)."""
+    c, comm, opt, total = observation(truth_plan)
+    rank = {"compute": c, "comm": comm, "p2p": truth_plan.time.bubble, "idle": 0.0, "optimizer": opt,
+            "matmul": 0.0, "step": total}
+    return RunMeasurement(plan_path="synthetic.yaml", model=plan.model, mesh=(plan.mesh.pp, plan.mesh.dp,
+                          plan.mesh.tp), step_s=total, ranks=[rank] * plan.world_size)
+
+
+def test_calibrate_on_dp_and_tp_predicts_a_held_out_pipeline_plan() -> None:
+    graph, base = _graph("gpt-tiny"), cpu_like()
+    truth = apply_factors(base, {"matmul": 4.0, "memory": 3.0, "overhead": 6.0, "all_reduce.alpha": 2.0})
+
+    def plan(prof: ClusterProfile, **pins: int) -> ir.Plan:
+        return search(graph, prof, PlanOptions(global_batch=8, dtype="float32", top_k=0, workers=1, pins=pins)).best
+
+    runs = []
+    for pins in ({"pp": 1, "dp": 2, "tp": 1, "zero": 0}, {"pp": 1, "dp": 1, "tp": 2}):
+        p = plan(base, **pins)
+        runs.append((p, graph, _synthetic_run(p, predict(graph, truth, p))))
+    names = ["matmul", "memory", "overhead", "all_reduce.alpha", "all_reduce.beta"]
+    fit = calibrate(base, runs, names=names)
+    assert fit.cost_after < 0.1 * fit.cost_before
+    fitted = provenance(base, fit, "synthetic dp=2 and tp=2 runs")
+    assert "calibrated" in fitted.source and "fitted by autopar calibrate" in fitted.device.sources["peak_flops"]
+    # held out: a pipeline plan, never seen by the fit
+    held = plan(base, pp=2, dp=1, tp=1)
+    want, before, got = (predict(graph, p, held).time.total for p in (truth, base, fitted))
+    assert abs(got / want - 1) < 0.10 < abs(before / want - 1)
+
+
+def test_cli_apply_carries_factors_to_another_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base4 = tmp_path / "base4.yaml"
+    save_profile(cpu_like(4), base4)
+    sidecar = tmp_path / "fit.yaml.calibration.json"
+    sidecar.write_text(json.dumps({"factors": {"matmul": 2.0, "all_reduce.beta": 3.0}}))
+    out = tmp_path / "fitted4.yaml"
+    assert main(["calibrate", "--apply", str(sidecar), "--cluster", str(base4), "-o", str(out)]) == 0
+    got = load_profile(out)
+    assert got.devices_per_node == 4 and got.name == "cpu-like-calibrated"
+    assert got.device.peak_flops["float32"] == pytest.approx(0.5e11)
+    assert [p.busbw for p in got.links["intra_node"].all_reduce] == pytest.approx([5e8 / 3] * 2)
+    assert load_factors(sidecar) == {"matmul": 2.0, "all_reduce.beta": 3.0}
+    bad = tmp_path / "bad.json"
+    bad.write_text("[]")
+    with pytest.raises(ValueError, match="sidecar"):
+        load_factors(bad)
+    assert main(["calibrate", "--cluster", str(base4), "-o", str(out)]) == 2
+    assert "needs plan YAMLs" in capsys.readouterr().err
+    assert math.isfinite(dataclasses.asdict(got.device)["memory_bandwidth"])
