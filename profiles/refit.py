@@ -24,7 +24,9 @@ nothing about plans: given ``observe(factors) -> predicted vector`` and the ``me
     sum_i ((observe(k)_i - measured_i) / scale_i)^2  +  prior * sum_j (log k_j)^2
 
 over ``x = log k`` by Levenberg-Marquardt with a forward-difference Jacobian (the planner's prediction is piecewise
-smooth: a max over pipeline ranks, a max of compute and memory time).  The small ``prior`` keeps factors that the
+smooth: a max over pipeline ranks, a max of compute and memory time).  A factor with no local effect (e.g. the
+arithmetic rate of ops that are memory-bound at the base profile's rates) gets a secant slope from a 10x probe, so
+that the fit can cross to the other side of such a max when the data ask for it.  The small ``prior`` keeps factors that the
 data do not determine at 1 (the base profile's value) instead of letting them drift.
 """
 
@@ -49,6 +51,7 @@ DEVICE_FACTORS: tuple[str, ...] = ("matmul", "vector", "memory", "overhead")
 OVERLAP_FIELD = "overlap_slowdown"
 """The device field of the overlap coefficient (compute slowdown under communication), in [0, 1]."""
 _LIMIT = math.log(1e4)  # factors stay within [1e-4, 1e4]
+_PROBE = math.log(10.0)  # secant step for a factor with no local effect
 
 
 def factor_names(collectives: Sequence[str] = COLLECTIVES, profile: ClusterProfile | None = None) -> list[str]:
@@ -178,6 +181,10 @@ def fit_factors(names: Sequence[str], observe: Callable[[dict[str, float]], Sequ
             xj = x.copy()
             xj[j] += step
             jac[:, j] = (pred(xj) - p) / step / s
+            if not np.any(np.abs(jac[:, j]) > 1e-9):  # flat here (the other side of a max): probe x10 further
+                xj[j] = min(x[j] + _PROBE, _LIMIT)
+                if xj[j] > x[j]:
+                    jac[:, j] = (pred(xj) - p) / (xj[j] - x[j]) / s
         r = (p - y) / s
         g = jac.T @ r + prior * x
         h = jac.T @ jac + prior * np.eye(len(names))
