@@ -39,8 +39,19 @@ from autopar.planner.run import attribution
 from autopar.profiles.refit import FitResult, apply_factors, factor_names, fit_factors, provenance
 from autopar.profiles.schema import ClusterProfile, save_profile
 
-__all__ = ["RunMeasurement", "measure_plan", "plan_pins", "predict", "observation", "calibrate", "stage_table",
-           "load_factors", "add_parser", "cmd_calibrate", "FIT_FACTORS"]
+__all__ = [
+    "FIT_FACTORS",
+    "RunMeasurement",
+    "add_parser",
+    "calibrate",
+    "cmd_calibrate",
+    "load_factors",
+    "measure_plan",
+    "observation",
+    "plan_pins",
+    "predict",
+    "stage_table",
+]
 
 log = logging.getLogger(__name__)
 
@@ -156,30 +167,17 @@ def plan_graph(plan: Plan, model: str, seq: int | None) -> Graph:
     return _plan_graph(plan, model, seq)
 
 
-def _collectives(plans: Sequence[Plan]) -> list[str]:
-    """Collectives the plans' predictions charge: all_reduce for dp/tp sync and ZeRO's gathers, p2p for pp."""
-    out: list[str] = []
-    for p in plans:
-        if p.mesh.dp > 1 or p.mesh.tp > 1:
-            out.append("all_reduce")
-        if p.mesh.dp > 1 and p.zero >= 1:
-            out += ["all_gather", "reduce_scatter"]
-        if p.mesh.tp > 1:
-            out += sorted({c for o in p.op_shardings for c in o.comm.split("+") if c})
-        if p.mesh.pp > 1:
-            out.append("p2p")
-    return list(dict.fromkeys(out))
-
-
 def calibrate(base: ClusterProfile, runs: Sequence[tuple[Plan, Graph, RunMeasurement]], *,
               names: Sequence[str] | None = None, prior: float = 1e-3) -> FitResult:
     """Fit ``base``'s factors to the runs (see the module docstring); ``names`` defaults to :data:`FIT_FACTORS`
-    plus alpha/beta of the collectives the plans run (and ``overlap`` where the schema has it)."""
+    (``overlap`` where the schema has it) plus ``link.alpha``/``link.beta`` when the plans communicate: one latency
+    and one bandwidth correction for every collective, so that collectives the fitted plans do not run (a ZeRO
+    plan's gathers, a pipeline's p2p) inherit what the measured ones show about this machine's links."""
     if not runs:
         raise ValueError("calibrate needs at least one measured run")
     if names is None:
-        colls = _collectives([p for p, _, _ in runs])
-        names = [n for n in factor_names(colls, base) if "." in n or n in FIT_FACTORS]
+        links = ["link.alpha", "link.beta"] if any(p.world_size > 1 for p, _, _ in runs) else []
+        names = [n for n in factor_names((), base) if n in FIT_FACTORS] + links
     measured, scale = [], []
     for _, _, m in runs:
         measured += measured_observation(m)
@@ -203,8 +201,9 @@ def stage_table(plan: Plan, m: RunMeasurement, before: Plan, after: Plan | None 
     """Predicted (before/after the fit) vs measured, per stage and for the step, as text."""
     hdr = f"{'':10}{'pred before':>12}" + (f"{'pred after':>12}" if after else "") + f"{'measured':>11}"
     hdr += f"{'meas/before':>12}" + (f"{'meas/after':>11}" if after else "")
-    rows = [f"{Path(m.plan_path).name}: pp={plan.mesh.pp} dp={plan.mesh.dp} tp={plan.mesh.tp} zero={plan.zero} "
-            f"mb={plan.micro_batch}x{plan.num_microbatches} {plan.schedule}", hdr]
+    title = (f"{Path(m.plan_path).name}: pp={plan.mesh.pp} dp={plan.mesh.dp} tp={plan.mesh.tp} zero={plan.zero} "
+             f"mb={plan.micro_batch}x{plan.num_microbatches} {plan.schedule}")
+    rows = [title, hdr]
 
     def row(label: str, pb: float, pa: float | None, meas: float) -> str:
         s = f"{label:10}{pb * 1e3:10.3f}ms" + (f"{pa * 1e3:10.3f}ms" if pa is not None else "")
@@ -232,7 +231,7 @@ def load_factors(path: str | Path) -> dict[str, float]:
     """The fitted factors from a calibration sidecar JSON."""
     data = json.loads(Path(path).read_text())
     if not isinstance(data, dict) or not isinstance(data.get("factors"), dict):
-        raise ValueError(f"{path}: not an autopar calibration sidecar (no 'factors' mapping)")
+        raise ValueError(f"{path}: not an autopar calibration sidecar (no 'factors' mapping)")  # noqa: TRY004
     return {str(k): float(v) for k, v in data["factors"].items()}
 
 

@@ -12,8 +12,10 @@ factor                 what it multiplies (time of ...)
 ``vector``             non-matmul ops' arithmetic (``vector_flops`` divided by the factor)
 ``memory``             memory traffic of every op and the optimizer step (``memory_bandwidth`` divided)
 ``overhead``           the fixed per-op cost of an eager training step (``launch_overhead_s`` multiplied)
-``<coll>.alpha``       the latency term of collective ``<coll>`` on every level and group size
-``<coll>.beta``        the bandwidth term of ``<coll>`` (``busbw`` divided by the factor)
+``link.alpha``         the latency term of every collective and p2p, on every level and group size
+``link.beta``          the bandwidth term of every collective and p2p (``busbw`` divided by the factor)
+``<coll>.alpha``       the latency term of collective ``<coll>`` alone (on top of ``link.alpha``)
+``<coll>.beta``        the bandwidth term of ``<coll>`` alone (on top of ``link.beta``)
 ``overlap``            not a factor but a shift: ``overlap_slowdown`` (compute seconds lost per second of
                        communication overlapped with it) becomes ``clamp(base + k - 1, 0, 1)``
 =====================  ==================================================================================
@@ -42,8 +44,15 @@ import numpy as np
 
 from autopar.profiles.schema import COLLECTIVES, AlphaBeta, ClusterProfile, LinkProfile
 
-__all__ = ["DEVICE_FACTORS", "OVERLAP_FIELD", "factor_names", "apply_factors", "FitResult", "fit_factors",
-           "provenance"]
+__all__ = [
+    "DEVICE_FACTORS",
+    "OVERLAP_FIELD",
+    "FitResult",
+    "apply_factors",
+    "factor_names",
+    "fit_factors",
+    "provenance",
+]
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +69,8 @@ def factor_names(collectives: Sequence[str] = COLLECTIVES, profile: ClusterProfi
     bad = [c for c in collectives if c not in COLLECTIVES]
     if bad:
         raise ValueError(f"unknown collective(s) {bad}; expected some of {', '.join(COLLECTIVES)}")
-    names = list(DEVICE_FACTORS) + [f"{c}.{t}" for c in collectives for t in ("alpha", "beta")]
+    names = list(DEVICE_FACTORS) + ["link.alpha", "link.beta"]
+    names += [f"{c}.{t}" for c in collectives for t in ("alpha", "beta")]
     if profile is not None and hasattr(profile.device, OVERLAP_FIELD):
         names.append("overlap")
     return names
@@ -114,10 +124,11 @@ def apply_factors(profile: ClusterProfile, factors: Mapping[str, float], *, note
         sources[OVERLAP_FIELD] = f"{tag} ({value:.4g})"
     device = dataclasses.replace(dev, sources=sources, **changes) if changes else dev  # type: ignore[arg-type]
     links: dict[str, LinkProfile] = {}
+    la, lb = f.get("link.alpha", 1.0), f.get("link.beta", 1.0)
+    ka = {c: la * f.get(f"{c}.alpha", 1.0) for c in COLLECTIVES}
+    kb = {c: lb * f.get(f"{c}.beta", 1.0) for c in COLLECTIVES}
     for level, link in profile.links.items():
-        tables = {c: _scale_table(link.table(c), f.get(f"{c}.alpha", 1.0), f.get(f"{c}.beta", 1.0),
-                                  f"{tag} (alpha x{f.get(f'{c}.alpha', 1.0):.4g}, "
-                                  f"time/byte x{f.get(f'{c}.beta', 1.0):.4g})")
+        tables = {c: _scale_table(link.table(c), ka[c], kb[c], f"{tag} (alpha x{ka[c]:.4g}, time/byte x{kb[c]:.4g})")
                   for c in COLLECTIVES}
         links[level] = LinkProfile(level=link.level, **tables)  # type: ignore[arg-type]
     return dataclasses.replace(profile, device=device, links=links)

@@ -26,9 +26,9 @@ import os
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-__all__ = ["ENV_DIR", "ENV_START", "ENV_STOP", "CATEGORIES", "category", "attribute", "profile_step"]
+__all__ = ["CATEGORIES", "ENV_DIR", "ENV_START", "ENV_STOP", "attribute", "category", "profile_step"]
 
 ENV_DIR, ENV_START, ENV_STOP = "AUTOPAR_CALIBRATE_DIR", "AUTOPAR_CALIBRATE_START", "AUTOPAR_CALIBRATE_STOP"
 CATEGORIES = ("compute", "comm", "p2p", "idle", "optimizer")
@@ -36,13 +36,6 @@ _MATMUL = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbm
            "aten::scaled_dot_product_attention", "aten::_scaled_dot_product", "aten::conv", "aten::_conv",
            "aten::convolution", "aten::cudnn_convolution", "aten::mkldnn_convolution")
 _P2P = ("c10d::send", "c10d::recv", "c10d::isend", "c10d::irecv", "c10d::batch_isend_irecv")
-
-
-class _Event(Protocol):
-    name: str
-    start_us: float
-    end_us: float
-    parent: int | None
 
 
 def category(name: str) -> str | None:
