@@ -6,7 +6,8 @@
 1. Base profiles of this machine with 2 and 4 ranks (``autopar profile --quick``, or ``--profile2/--profile4``).
 2. Fit: the planner's pure-DP (``pp=1 dp=2 tp=1 zero=0``) and pure-TP (``tp=2``) plans of ``--fit-model`` on 2 ranks
    run under ``autopar calibrate``'s attribution (:func:`autopar.planner.calibrate.measure_plan`); the factors are
-   fitted to them (:func:`autopar.planner.calibrate.calibrate`).  The 2-rank fitted profile is the base with the
+   fitted to them (:func:`autopar.planner.calibrate.calibrate_loop`: a plan the fit makes the planner shard differently is
+   re-planned, run and fitted again).  The 2-rank fitted profile is the base with the
    factors; the 4-rank one is the 4-rank base with the same factors (``autopar calibrate --apply``).
 3. Held out (never fitted on): for every ``--models`` model, the plans the planner makes with the fitted profile
    under the pins ``pp=2`` (2 ranks), ``pp=1 dp=2 tp=2`` and ``pp=2 dp=2 tp=1`` (4 ranks), run and measured the same way.
@@ -24,10 +25,11 @@ import resource
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from autopar import ir
-from autopar.planner.calibrate import RunMeasurement, calibrate, measure_plan, plan_graph, predict
+from autopar.planner.calibrate import RunMeasurement, calibrate_loop, measure_plan, plan_graph, predict
 from autopar.planner.options import PlanOptions
 from autopar.planner.search import search
 from autopar.profiles.profiler import run_profile_command
@@ -79,9 +81,13 @@ def describe(p: ir.Plan) -> str:
             f"{p.schedule}")
 
 
-def row(label: str, plan: ir.Plan, before: float, after: float, meas: RunMeasurement) -> str:
-    return (f"{label:34}{describe(plan):34}{before * 1e3:9.2f}{after * 1e3:9.2f}{meas.step_s * 1e3:9.2f}"
-            f"{meas.step_s / before:9.2f}{meas.step_s / after:9.2f}")
+def row(label: str, plan: ir.Plan, before: float, after: ir.Plan, meas: RunMeasurement) -> str:
+    t, c = after.time, meas.critical()
+    pred = f"{(t.compute + getattr(t, 'contention', 0.0)) * 1e3:.1f}/{t.exposed_comm * 1e3:.1f}/{t.bubble * 1e3:.1f}"
+    got = f"{c['compute'] * 1e3:.1f}/{c['comm'] * 1e3:.1f}/{c['p2p'] * 1e3:.1f}"
+    return (f"{label:36}{describe(plan):44}{before * 1e3:9.2f}{t.total * 1e3:9.2f}{meas.step_s * 1e3:9.2f}"
+            f"{meas.step_s / before:8.2f}{meas.step_s / t.total:8.2f}   {pred:>16} | {got}"
+            f"  opt {t.optimizer * 1e3:.1f} | {c['optimizer'] * 1e3:.1f}, idle {c['idle'] * 1e3:.1f}")
 
 
 def main() -> int:
@@ -94,6 +100,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--profiled", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--iterations", type=int, default=2, help="fit / re-plan / re-measure passes (calibrate_loop)")
     ap.add_argument("--profile2", default=None)
     ap.add_argument("--profile4", default=None)
     ap.add_argument("--out", default=None, help="keep plans, profiles and the results JSON here")
@@ -111,9 +118,18 @@ def main() -> int:
         ir.dump_plan(p, paths[k][0])
     fit_meas = measure_rounds(paths, args)
     runs = [(fit_plans[k], plan_graph(fit_plans[k], args.fit_model, args.seq), fit_meas[k]) for k in FIT]
-    fit = calibrate(base[2], runs)
-    fitted = {2: provenance(base[2], fit, f"{args.fit_model} dp=2 and tp=2 runs (benchmarks/calibrate_cpu.py)"),
-              4: apply_factors(base[4], fit.factors, note=f"factors fitted on 2 ranks ({args.fit_model} dp=2, tp=2)")}
+
+    def remeasure(plan: ir.Plan, it: int) -> RunMeasurement:
+        path = out / f"fit-{args.fit_model}-iter{it}-pp{plan.mesh.pp}dp{plan.mesh.dp}tp{plan.mesh.tp}.yaml"
+        ir.dump_plan(plan, path)
+        return measure_rounds({"x": (path, args.fit_model)}, args)["x"]
+
+    fit, total, runs = calibrate_loop(base[2], runs, iterations=args.iterations, remeasure=remeasure)
+    fit_plans = {k: p for k, (p, _, _) in zip(FIT, runs)}
+    fit_meas = {k: m for k, (_, _, m) in zip(FIT, runs)}
+    fitted = {2: provenance(base[2], replace(fit, factors=total),
+                            f"{args.fit_model} dp=2 and tp=2 runs (benchmarks/calibrate_cpu.py)"),
+              4: apply_factors(base[4], total, note=f"factors fitted on 2 ranks ({args.fit_model} dp=2, tp=2)")}
     for n, prof in fitted.items():
         save_profile(prof, out / f"fitted{n}.yaml")
 
@@ -131,26 +147,26 @@ def main() -> int:
 
     print(f"base profiles: {base[2].name} / {base[4].name}; global batch {args.batch}, seq {args.seq}, float32, "
           f"fastest of {args.rounds} round(s), median of {args.steps - args.warmup - args.profiled} unprofiled steps")
-    print("fitted factors: " + ", ".join(f"{k} x{v:.3g}" + ("" if fit.determined.get(k) else " (undetermined)")
-                                         for k, v in fit.factors.items()))
-    print(f"{'plan':34}{'choices':34}{'base ms':>9}{'fit ms':>9}{'meas ms':>9}{'m/base':>9}{'m/fit':>9}")
+    print("fitted factors: " + ", ".join(f"{k} x{v:.3g}" for k, v in total.items()))
+    print(f"{'plan':36}{'choices':44}{'base ms':>9}{'fit ms':>9}{'meas ms':>9}{'m/base':>8}{'m/fit':>8}"
+          "   fit compute/comm/bubble ms | measured compute/comm/p2p+bubble (busiest rank)")
     results = {}
     for k, p in fit_plans.items():
         after = predict(runs[0][1], fitted[2], p)
         print(row(f"FIT  {args.fit_model} {k} (2 ranks)", p, predict(runs[0][1], base[2], p).time.total,
-                  after.time.total, fit_meas[k]))
+                  after, fit_meas[k]))
     within = 0
     for key, (plan, before, _) in held.items():
         m = held_meas[key]
-        print(row(f"HELD {key}", plan, before.time.total, plan.time.total, m))
+        print(row(f"HELD {key}", plan, before.time.total, plan, m))
         ratio = m.step_s / plan.time.total
         within += 0.8 <= ratio <= 1.2
         results[key] = {"predicted_fit_s": plan.time.total, "predicted_base_s": before.time.total,
-                        "measured_s": m.step_s, "ratio": ratio}
+                        "measured_s": m.step_s, "ratio": ratio, "measured_ranks": m.ranks}
     wall, cpu = time.perf_counter() - wall0, cpu_s() - cpu0
     print(f"held-out within 20%: {within} of {len(held)}")
     print(f"benchmark: {wall:.1f} s wall, {cpu:.1f} s CPU (this process and its children)")
-    (out / "results.json").write_text(json.dumps({"factors": fit.factors, "held_out": results, "wall_s": wall,
+    (out / "results.json").write_text(json.dumps({"factors": total, "held_out": results, "wall_s": wall,
                                                    "cpu_s": cpu}, indent=1))
     return 0
 

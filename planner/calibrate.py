@@ -11,7 +11,9 @@ The fit compares, per plan, the prediction's critical-rank breakdown with the me
 
 The prediction of a plan under a candidate profile is the planner's own: the search re-run with the plan's mesh,
 ZeRO level, micro-batch, schedule and recompute pinned (:func:`predict`), so calibration checks the same code path
-``autopar plan`` uses.  The factors are fitted by :func:`autopar.profiles.refit.fit_factors` and written as a profile
+``autopar plan`` uses.  The factors are fitted by :func:`autopar.profiles.refit.fit_factors`; when the fitted profile makes the planner
+shard a measured plan differently (:func:`calibrate_loop`), that plan is re-planned, run and fitted again
+(``--iterations``).  The result is written as a profile
 (``-o fitted.yaml``) with its provenance, plus a JSON sidecar (``fitted.yaml.calibration.json``) holding the factors,
 the measurements and the predictions before and after.  ``--apply SIDECAR`` carries fitted factors over to another
 base profile of the same machine (e.g. measured with 4 ranks after fitting on 2).
@@ -26,8 +28,8 @@ import logging
 import os
 import statistics
 import tempfile
-from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,12 +46,15 @@ __all__ = [
     "RunMeasurement",
     "add_parser",
     "calibrate",
+    "calibrate_loop",
     "cmd_calibrate",
+    "compose",
     "load_factors",
     "measure_plan",
     "observation",
     "plan_pins",
     "predict",
+    "shardings",
     "stage_table",
 ]
 
@@ -197,6 +202,47 @@ def calibrate(base: ClusterProfile, runs: Sequence[tuple[Plan, Graph, RunMeasure
     return fit_factors(list(names), observe, measured, scale, prior=prior)
 
 
+def shardings(plan: Plan) -> tuple:
+    """What the intra-op solver decided for a plan (op strategies and parameter placements)."""
+    return (tuple((o.node, o.strategy) for o in plan.op_shardings),
+            tuple((p.pattern, p.placement) for p in plan.param_shardings))
+
+
+def compose(first: dict[str, float], then: dict[str, float]) -> dict[str, float]:
+    """The factors of applying ``first`` and then ``then`` (products; ``overlap`` shifts add)."""
+    out = dict(first)
+    for k, v in then.items():
+        out[k] = out.get(k, 1.0) + v - 1.0 if k == "overlap" else out.get(k, 1.0) * v
+    return out
+
+
+def calibrate_loop(base: ClusterProfile, runs: list[tuple[Plan, Graph, RunMeasurement]], *, iterations: int = 2,
+                   remeasure: Callable[[Plan, int], RunMeasurement] | None = None
+                   ) -> tuple[FitResult, dict[str, float], list[tuple[Plan, Graph, RunMeasurement]]]:
+    """Fit, re-plan, re-measure: closes the loop when a fit changes what the planner does with a measured mesh.
+
+    After each fit, every run's plan is re-planned (all choices pinned) on the fitted profile; a plan whose
+    shardings changed (e.g. tensor-parallel ops sharded once compute looks slower) was not what ran, so it is run
+    (``remeasure(plan, iteration)``) and the next fit starts from the fitted profile.  Returns the last fit, the
+    factors over ``base`` in total, and the runs the last fit used."""
+    total: dict[str, float] = {}
+    current, fit = base, None
+    for it in range(max(1, iterations)):
+        fit = calibrate(current, runs)
+        total = compose(total, fit.factors)
+        current = apply_factors(base, total)
+        if it + 1 >= iterations or remeasure is None:
+            break
+        replanned = [(predict(g, current, p), g, m) for p, g, m in runs]
+        if all(shardings(q) == shardings(p) for (q, _, _), (p, _, _) in zip(replanned, runs)):
+            break
+        runs = [(q, g, m if shardings(q) == shardings(p) else remeasure(q, it + 1))
+                for (q, g, m), (p, _, _) in zip(replanned, runs)]
+        log.info("calibrate: the fit changed shardings; re-measured and fitting again (iteration %d)", it + 2)
+    assert fit is not None
+    return fit, total, runs
+
+
 def stage_table(plan: Plan, m: RunMeasurement, before: Plan, after: Plan | None = None) -> str:
     """Predicted (before/after the fit) vs measured, per stage and for the step, as text."""
     hdr = f"{'':10}{'pred before':>12}" + (f"{'pred after':>12}" if after else "") + f"{'measured':>11}"
@@ -246,6 +292,8 @@ def add_parser(sub: Any) -> None:
     c.add_argument("--warmup", type=int, default=4, help="steps excluded from the timing")
     c.add_argument("--profiled", type=int, default=4, help="last steps run under torch.profiler (attribution only)")
     c.add_argument("--seq", type=int, default=None, help="sequence length override (as given to autopar run)")
+    c.add_argument("--iterations", type=int, default=2,
+                   help="fit, re-plan, and re-measure plans whose shardings the fit changed, up to this many fits")
     c.add_argument("--apply", default=None,
                    help="instead of running: apply the factors of this calibration JSON to --cluster")
     c.set_defaults(func=cmd_calibrate)
@@ -272,28 +320,34 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         m = measure_plan(path, args.model, steps=args.steps, warmup=args.warmup, profiled=args.profiled,
                          seq=args.seq)
         runs.append((plan, plan_graph(plan, args.model, args.seq), m))
-    fit = calibrate(base, runs)
-    what = ", ".join(f"{Path(p).name} ({args.model})" for p in args.plans)
-    fitted = provenance(base, fit, what)
+
+    def remeasure(plan: Plan, it: int) -> RunMeasurement:
+        path = out.with_name(f"{out.stem}.iter{it}.pp{plan.mesh.pp}dp{plan.mesh.dp}tp{plan.mesh.tp}.yaml")
+        ir.dump_plan(plan, path)
+        return measure_plan(path, args.model, steps=args.steps, warmup=args.warmup, profiled=args.profiled,
+                            seq=args.seq)
+
+    fit, total, runs = calibrate_loop(base, runs, iterations=args.iterations, remeasure=remeasure)
+    what = ", ".join(f"{Path(m.plan_path).name} ({args.model})" for _, _, m in runs)
+    fitted = provenance(base, replace(fit, factors=total), what)
     save_profile(fitted, out)
     sidecar = out.with_name(out.name + ".calibration.json")
     befores = [predict(g, base, p) for p, g, _ in runs]
     afters = [predict(g, fitted, p) for p, g, _ in runs]
     sidecar.write_text(json.dumps({
-        "base": base.name, "base_source": base.source, "model": args.model, "plans": list(args.plans),
-        "factors": fit.factors, "determined": fit.determined, "cost_before": fit.cost_before,
-        "cost_after": fit.cost_after, "observations": list(_OBS), "measured": fit.measured, "before": fit.before,
-        "after": fit.after, "runs": [asdict(m) for _, _, m in runs]}, indent=1))
+        "base": base.name, "base_source": base.source, "model": args.model,
+        "plans": [m.plan_path for _, _, m in runs], "factors": total, "last_fit_factors": fit.factors,
+        "determined": fit.determined, "cost_before": fit.cost_before, "cost_after": fit.cost_after,
+        "observations": list(_OBS), "measured": fit.measured, "before": fit.before, "after": fit.after,
+        "runs": [asdict(m) for _, _, m in runs]}, indent=1))
     for (p, _, m), b, a in zip(runs, befores, afters):
         print(stage_table(p, m, b, a) + "\n")
     print("fitted factors: " + ", ".join(f"{k} x{v:.3g}" + ("" if fit.determined.get(k) else " (undetermined)")
-                                         for k, v in fit.factors.items()))
+                                         for k, v in total.items()))
     print(f"wrote {out} and {sidecar}; re-plan with: autopar plan MODEL --cluster {out} ...")
     return 0
 
 
 def _renamed(prof: ClusterProfile, base: ClusterProfile, what: str) -> ClusterProfile:
-    from dataclasses import replace
-
     return replace(prof, name=f"{base.name}-calibrated", source=f"{base.source}; calibrated ({what})")
 

@@ -224,7 +224,7 @@ def fit_factors(names: Sequence[str], observe: Callable[[dict[str, float]], Sequ
 
 def provenance(base: ClusterProfile, fit: FitResult, what: str) -> ClusterProfile:
     """``apply_factors(base, fit.factors)`` named and sourced as a calibrated profile: ``what`` says which runs."""
-    factors = {k: v for k, v in fit.factors.items() if fit.determined.get(k, True)}
+    factors = dict(fit.factors)
     prof = apply_factors(base, factors, note=f"fitted by autopar calibrate to {what}")
     text = ", ".join(f"{k} x{v:.3g}" for k, v in sorted(factors.items()) if k != "overlap")
     if "overlap" in factors:

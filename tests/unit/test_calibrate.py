@@ -14,7 +14,16 @@ from pathlib import Path
 import pytest
 
 from autopar import ir
-from autopar.planner.calibrate import RunMeasurement, calibrate, load_factors, observation, predict
+from autopar.planner.calibrate import (
+    RunMeasurement,
+    calibrate,
+    calibrate_loop,
+    compose,
+    load_factors,
+    observation,
+    predict,
+    shardings,
+)
 from autopar.planner.cli import main
 from autopar.planner.options import PlanOptions
 from autopar.planner.run.attribution import attribute, category
@@ -182,6 +191,34 @@ def test_calibrate_on_dp_and_tp_predicts_a_held_out_pipeline_plan() -> None:
     held = plan(base, pp=2, dp=1, tp=1)
     want, before, got = (predict(graph, p, held).time.total for p in (truth, base, fitted))
     assert abs(got / want - 1) < 0.10 < abs(before / want - 1)
+
+
+def test_compose_multiplies_factors_and_adds_overlap_shifts() -> None:
+    assert compose({"matmul": 2.0, "overlap": 1.2}, {"matmul": 3.0, "overlap": 1.1, "memory": 0.5}) == pytest.approx(
+        {"matmul": 6.0, "overlap": 1.3, "memory": 0.5})
+
+
+def test_calibrate_loop_remeasures_plans_the_fit_reshards() -> None:
+    graph, base = _graph("gpt-tiny"), cpu_like()
+    # a machine whose compute is far slower than the base says: tp=2 should shard once the fit knows it
+    truth = apply_factors(base, {"matmul": 30.0, "memory": 30.0, "overhead": 3.0})
+    p = search(graph, base, PlanOptions(global_batch=8, dtype="float32", top_k=0, workers=1,
+                                        pins={"pp": 1, "dp": 1, "tp": 2})).best
+    calls: list[int] = []
+
+    def remeasure(q: ir.Plan, it: int) -> RunMeasurement:
+        calls.append(it)
+        return _synthetic_run(q, predict(graph, truth, q))
+
+    runs = [(p, graph, _synthetic_run(p, predict(graph, truth, p)))]
+    _, total, final = calibrate_loop(base, runs, iterations=3, remeasure=remeasure)
+    fitted = apply_factors(base, total)
+    q = final[0][0]
+    assert shardings(predict(graph, fitted, q)) == shardings(q) or len(calls) == 2
+    if shardings(predict(graph, truth, p)) != shardings(p):  # the truth reshards: the loop must have re-measured
+        assert calls and shardings(q) != shardings(p)
+    got, want = predict(graph, fitted, q).time.total, predict(graph, truth, q).time.total
+    assert got == pytest.approx(want, rel=0.1)
 
 
 def test_cli_apply_carries_factors_to_another_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
