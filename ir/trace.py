@@ -34,6 +34,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from autopar.ir.errors import ExampleInputError, TraceError
 from autopar.ir.graph import Graph, Node, ParamInfo, TensorMeta
+from autopar.ir.inputs import normalize
 from autopar.ir.ops import OpKind, canonical_op, op_cost
 from autopar.ir.passes.pipeline import PassOptions, default_pipeline, run_passes, verify_after
 
@@ -318,9 +319,10 @@ def _describe_inputs(inputs: Iterable[Any]) -> str:
     return ", ".join(parts)
 
 
-def _trace_export(model: torch.nn.Module, inputs: list[Any], model_name: str) -> Graph:
+def _trace_export(model: torch.nn.Module, inputs: list[Any], model_name: str,
+                  kwargs: dict[str, Any] | None = None) -> Graph:
     try:
-        ep = torch.export.export(model, tuple(inputs), strict=False)
+        ep = torch.export.export(model, tuple(inputs), kwargs or {}, strict=False)
     except Exception as e:  # noqa: BLE001
         msg = _first_line(e)
         where = _user_frame(e, model)
@@ -328,14 +330,14 @@ def _trace_export(model: torch.nn.Module, inputs: list[Any], model_name: str) ->
         if any(s in low for s in ("size mismatch", "shapes cannot be multiplied", "expected input", "must match",
                                   "dtype", "shape '[", "is invalid for input of size")) and \
                 "data-dependent" not in low:
-            raise ExampleInputError("export", msg, where, _describe_inputs(inputs)) from e
+            raise ExampleInputError("export", msg, where, _describe_inputs([*inputs, *(kwargs or {}).values()])) from e
         raise TraceError("export", msg, where) from e
     sig = ep.graph_signature
     placeholder_fqn: dict[str, str] = {}
     placeholder_fqn.update(sig.inputs_to_parameters)
     placeholder_fqn.update(sig.inputs_to_buffers)
     placeholder_fqn.update(getattr(sig, "inputs_to_lifted_tensor_constants", {}) or {})
-    user_inputs = [s for s in sig.user_inputs]
+    user_inputs = [s for s in sig.user_inputs if s is not None]  # an omitted optional input (None) is a constant
     gm = ep.graph_module
     return _build_graph(gm, model, "export", placeholder_fqn, list(user_inputs), model_name, False)
 
@@ -359,8 +361,9 @@ def trace(model: torch.nn.Module, example_inputs: Sequence[Any] | Any, *, fronte
     """Lift ``model`` into an :class:`autopar.ir.Graph`: capture, then the pass pipeline (layer groups always;
     the optional passes ``passes`` selects, none by default), with ``autopar.ir.verify`` after each step.
 
-    ``example_inputs`` is one input or a tuple of them: real tensors, meta tensors, :class:`TensorSpec`, or plain shape
-    tuples (float32).  ``frontend`` picks ``"fx"`` (symbolic_trace), ``"export"`` (torch.export) or ``"auto"`` (fx,
+    ``example_inputs`` is one input, a tuple of positional ones, or a dict of keyword ones (Hugging Face style, see
+    :mod:`autopar.ir.inputs`; ``None`` for an omitted optional input): real tensors, meta tensors,
+    :class:`TensorSpec`, or plain shape tuples (float32).  Keyword or ``None`` inputs are captured with torch.export.  ``frontend`` picks ``"fx"`` (symbolic_trace), ``"export"`` (torch.export) or ``"auto"`` (fx,
     falling back to export).  Raises :class:`autopar.ir.TraceError` when no front end captures the model and
     :class:`autopar.ir.ExampleInputError` when the example inputs do not fit it.  Never mutates or materializes
     ``model``.
@@ -372,16 +375,25 @@ def trace(model: torch.nn.Module, example_inputs: Sequence[Any] | Any, *, fronte
     if frontend not in ("auto", "fx", "export"):
         raise ValueError(f"frontend must be 'auto', 'fx' or 'export', got {frontend!r}")
     name = model_name or type(model).__name__
-    inputs = _as_tensors(list(example_inputs), _model_device(model))
+    args, kwargs = normalize(example_inputs)
+    device = _model_device(model)
+    args = _as_tensors(list(args), device)
+    kwargs = dict(zip(kwargs, _as_tensors(list(kwargs.values()), device)))
     with _quiet_torch_logs():
-        graph = _trace_with(model, inputs, name, frontend)
+        graph = _trace_with(model, args, kwargs, name, frontend)
     if graph.unknown_ops:
         log.warning("costed %d unknown op(s) by bytes only: %s", len(graph.unknown_ops), ", ".join(graph.unknown_ops))
     module_types = {p: type(m).__name__ for p, m in model.named_modules()}
     return run_passes(verify_after("capture", graph), default_pipeline(passes, module_types=module_types))
 
 
-def _trace_with(model: torch.nn.Module, inputs: list[Any], name: str, frontend: Frontend) -> Graph:
+def _trace_with(model: torch.nn.Module, inputs: list[Any], kwargs: dict[str, Any], name: str,
+                frontend: Frontend) -> Graph:
+    if kwargs or any(x is None for x in inputs):  # keyword or omitted optional inputs: only export binds them
+        if frontend == "fx":
+            raise TraceError("fx", "symbolic_trace takes positional tensor inputs only; use frontend='export' for "
+                             "keyword or None inputs", "")
+        return _trace_export(model, inputs, name, kwargs)
     if frontend == "fx":
         return _trace_fx(model, inputs, name)
     if frontend == "export":

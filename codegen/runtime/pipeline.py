@@ -28,11 +28,19 @@ def local_stage_indices(plan: ir.Plan, pp_rank: int) -> list[int]:
     return [i for i in range(len(plan.stages)) if i % plan.mesh.pp == pp_rank]
 
 
+Examples = tuple[torch.Tensor, ...] | None
+
+
 def build_schedule(plan: ir.Plan, modules: list[nn.Module], indices: list[int], group: dist.ProcessGroup,
-                   device: torch.device, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> object:
-    """The plan's schedule over this rank's stage modules."""
+                   device: torch.device, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                   examples: list[tuple[Examples, Examples]] | None = None) -> object:
+    """The plan's schedule over this rank's stage modules.  ``examples[k]``: (inputs, outputs) of local stage k as
+    empty tensors, when known: the stages are then declared statically instead of inferred by a trial run."""
     n = len(plan.stages)
-    stages = [PipelineStage(m, i, n, device, group=group) for m, i in zip(modules, indices)]
+    examples = examples or [(None, None)] * len(modules)
+    stages = [PipelineStage(m, i, n, device, group=group, input_args=ins, output_args=outs)
+              if ins is not None and outs is not None else PipelineStage(m, i, n, device, group=group)
+              for m, i, (ins, outs) in zip(modules, indices, examples)]
     mb = plan.num_microbatches
     if plan.schedule == "interleaved_1f1b" or len(stages) > 1:
         if mb % plan.mesh.pp:

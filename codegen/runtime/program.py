@@ -9,6 +9,10 @@ Build order (every rank, inside an initialized process group):
 4. the dp axis: FSDP2 for ZeRO >= 1, or gradient all-reduce for ZeRO 0 (:mod:`autopar.codegen.runtime.data_parallel`);
 5. ``to_empty`` and per-shard loading (:mod:`autopar.codegen.runtime.init`).
 
+Inputs follow the model's own calling convention (:mod:`autopar.ir.inputs`): a tensor, positional tensors or
+keyword tensors (``input_ids=..., labels=...``).  Without a ``loss_fn`` the model's (first) output is the loss, as
+for Hugging Face models given ``labels``.
+
 Batch semantics: :meth:`ParallelProgram.step` takes the *global* batch (the same tensors on every rank);
 dp replica i uses rows ``[i*B/dp, (i+1)*B/dp)``, split into ``plan.num_microbatches`` micro-batches.  The loss is the
 mean of the per-micro-batch losses, averaged over dp, which for a mean-reduced loss equals the single-process loss
@@ -33,6 +37,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from autopar import ir
 from autopar.codegen.kernels.fx_rewrite import fuse_graph_module
+from autopar.ir.inputs import normalize, tensor_leaves, with_batch
 from autopar.codegen.runtime import data_parallel as dpm
 from autopar.codegen.runtime.init import (
     Initializer,
@@ -64,6 +69,15 @@ log = logging.getLogger(__name__)
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def _model_loss(out: torch.Tensor, target: object = None) -> torch.Tensor:
+    """The loss when the model computes its own (no ``loss_fn``): its output, which must be a scalar."""
+    if out.numel() != 1:
+        raise ValueError(f"no loss_fn was given, so the model's first output is taken as the loss, but it has shape "
+                         f"{tuple(out.shape)}; pass loss_fn=... or inputs that make the model return its loss "
+                         "(e.g. labels=... for a Hugging Face model)")
+    return out.reshape(())
+
+
 def _strip(name: str) -> str:
     """``groups.3.blocks.1.attn.qkv.weight`` -> ``blocks.1.attn.qkv.weight`` (FQN in the original model)."""
     parts = name.split(".")
@@ -75,8 +89,12 @@ class ParallelProgram:
 
     def __init__(self, *, plan: ir.Plan, mesh: DeviceMesh, stages: list[StageModule], stage_indices: list[int],
                  loss_fn: Loss, device: torch.device, chunks: dict[str, int], aliases: dict[str, list[str]],
-                 tie_groups: dict[str, dist.ProcessGroup], non_persistent: frozenset[str] = frozenset()) -> None:
+                 tie_groups: dict[str, dist.ProcessGroup], non_persistent: frozenset[str] = frozenset(),
+                 keywords: tuple[str, ...] = (), n_inputs: int | None = None,
+                 examples: list[tuple[Any, Any]] | None = None) -> None:
         self.plan = plan
+        self._keywords = keywords  # keyword inputs, in the order the model was captured with
+        self._n_inputs = n_inputs
         self.mesh = mesh
         self.stages = stages
         self.stage_indices = stage_indices
@@ -93,7 +111,7 @@ class ParallelProgram:
         self.schedule = None
         if plan.mesh.pp > 1:
             self.schedule = build_schedule(plan, list(stages), stage_indices, mesh["pp"].get_group(), device,
-                                           loss_fn)
+                                           loss_fn, examples)
 
     # ---- public API ----------------------------------------------------------------------------------------------
     @property
@@ -150,12 +168,21 @@ class ParallelProgram:
     def is_first_stage(self) -> bool:
         return 0 in self.stage_indices
 
-    def step(self, inputs: torch.Tensor | Sequence[torch.Tensor], targets: torch.Tensor) -> float:
+    def step(self, inputs: torch.Tensor | Sequence[torch.Tensor] | dict[str, Any],
+             targets: torch.Tensor | None = None) -> float:
         """Forward and backward of one global batch; returns the loss (the same float on every rank).
 
-        Gradients are left in ``.grad`` (synchronized over dp and tied stages) for the caller's optimizer."""
-        ins = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        ``inputs`` as the model takes them (a tensor, a tuple, or a dict of keyword tensors); ``targets`` for the
+        program's ``loss_fn`` (none when the model computes its own loss).  Gradients are left in ``.grad``
+        (synchronized over dp and tied stages) for the caller's optimizer."""
+        ins = tuple(tensor_leaves(normalize(inputs), self._keywords))
+        if self._n_inputs is not None and len(ins) != self._n_inputs:
+            raise ValueError(f"the model was captured with {self._n_inputs} tensor input(s), got {len(ins)}")
         ins = tuple(self._dp_slice(x) for x in ins)
+        if targets is None:
+            if self.loss_fn is not _model_loss:
+                raise ValueError("step() needs targets for the program's loss_fn")
+            targets = torch.zeros(ins[0].shape[0] * self.plan.mesh.dp, dtype=torch.long)  # only sliced, never read
         tgt = self._dp_slice(targets)
         # Plain tensors created inside the model (torch.arange positions...) meet DTensors in forward *and* backward.
         ctx = implicit_replication() if self.plan.mesh.tp > 1 else contextlib.nullcontext()
@@ -245,14 +272,17 @@ class ParallelProgram:
 
 
 def build_program(plan: ir.Plan, model: Any, *, loss_fn: Loss | None = None,
-                  example_inputs: Sequence[torch.Tensor] | None = None, graph: ir.Graph | None = None,
+                  example_inputs: Any = None, graph: ir.Graph | None = None,
                   device: torch.device | str | None = None, init: Literal["copy"] | Initializer = "copy",
                   seed: int = 0) -> ParallelProgram:
     """Build this rank's program for ``plan`` (call on every rank, inside an initialized process group).
 
     ``model`` is an ``nn.Module`` or an
-    ``autopar.zoo.ModelSpec`` (whose ``loss_fn`` and ``example_inputs`` are the defaults).  ``graph`` is the traced
-    ``autopar.ir.Graph`` the plan was made for; traced here with the fx front end when omitted.
+    ``autopar.zoo.ModelSpec`` (whose ``loss_fn`` and ``example_inputs`` are the defaults).  ``example_inputs`` as the
+    model takes them (a tensor, a tuple, or a dict of keyword inputs; any batch size: only shapes and dtypes are
+    read).  Without ``loss_fn`` the model's first output is the loss (a Hugging Face model given ``labels``).
+    ``graph`` is the traced ``autopar.ir.Graph`` the plan was made for (traced here when omitted); the model is
+    captured again with the same front end (:func:`autopar.codegen.runtime.split.capture`).
 
     ``init="copy"`` copies each rank's shards from the model's real weights; an :data:`Initializer` (such as
     ``autopar.zoo.init_weights``) instead generates them from ``seed`` one module at a time, so ``model`` may be on
@@ -261,16 +291,18 @@ def build_program(plan: ir.Plan, model: Any, *, loss_fn: Loss | None = None,
         loss_fn = loss_fn or model.loss_fn
         example_inputs = example_inputs if example_inputs is not None else model.example_inputs
         model = model.model
-    if loss_fn is None or example_inputs is None:
-        raise ValueError("build_program needs loss_fn and example_inputs (or a ModelSpec that carries them)")
+    if example_inputs is None:
+        raise ValueError("build_program needs example_inputs (or a ModelSpec that carries them)")
+    inputs = normalize(example_inputs)
     if init != "copy" and not callable(init):
         raise ValueError(f"init must be 'copy' or an initializer function (e.g. autopar.zoo.init_weights), got "
                          f"{init!r}")
     dev = torch.device(device) if device is not None else default_device()
     mesh = build_mesh(plan, dev)
     meta = meta_clone(model)
+    micro = with_batch(inputs, plan.micro_batch)
     if graph is None:
-        graph = ir.trace(meta, tuple(example_inputs), frontend="fx")
+        graph = ir.trace(meta, micro)
     if graph.fingerprint != plan.graph_fingerprint:
         log.warning("plan fingerprint %s differs from the traced graph's %s (another batch size or model?)",
                     plan.graph_fingerprint, graph.fingerprint)
@@ -278,7 +310,7 @@ def build_program(plan: ir.Plan, model: Any, *, loss_fn: Loss | None = None,
         raise ValueError(f"the plan's stages cover {plan.stages[-1].layer_end} layer groups but the model has "
                          f"{len(graph.layers)}; re-plan for this model")
     aliases = alias_names(meta)
-    split = split_model(meta, graph)
+    split = split_model(meta, graph, micro, dev)
     tie_groups = _tie_groups(plan, split, aliases)
     pp_rank, dp_rank, tp_rank = plan.mesh.coords(dist.get_rank())
     indices = local_stage_indices(plan, pp_rank)
@@ -290,15 +322,19 @@ def build_program(plan: ir.Plan, model: Any, *, loss_fn: Loss | None = None,
         _distribute_params(stages, tp_mesh, plan, canon)
     fsdp = plan.zero >= 1 and plan.mesh.dp > 1
     if fsdp:
-        dpm.apply_fsdp(list(stages), group_lists, mesh["dp"], plan.zero)
+        dpm.apply_fsdp(list(stages), group_lists, mesh["dp"], plan.zero,
+                       policy=dpm.mp_policy(plan.dtype, plan.reduce_dtype))
     for s in stages:
         _to_empty_keep_ties(s, dev)
     _load(stages, model, init, seed, canon, chunks, plan, fsdp, dp_rank, tp_rank)
     log.info("rank %d: stages %s, %d local parameter tensors", dist.get_rank(), indices,
              sum(1 for s in stages for _ in s.parameters()))
-    return ParallelProgram(plan=plan, mesh=mesh, stages=stages, stage_indices=indices, loss_fn=loss_fn, device=dev,
-                           chunks=chunks, aliases=aliases, tie_groups=tie_groups,
-                           non_persistent=frozenset(canon.get(f, f) for f in _non_persistent(meta)))
+    return ParallelProgram(plan=plan, mesh=mesh, stages=stages, stage_indices=indices, loss_fn=loss_fn or _model_loss,
+                           device=dev, chunks=chunks, aliases=aliases, tie_groups=tie_groups,
+                           non_persistent=frozenset(canon.get(f, f) for f in _non_persistent(meta)),
+                           keywords=tuple(inputs[1]), n_inputs=len(split.model_inputs),
+                           examples=[(split.boundary_examples(plan.stages[i].layer_start, dev),
+                                      split.boundary_examples(plan.stages[i].layer_end, dev)) for i in indices])
 
 
 def _non_persistent(model: nn.Module) -> Iterator[str]:
@@ -320,7 +356,9 @@ def _make_stages(plan: ir.Plan, graph: ir.Graph, split: SplitModel, indices: lis
     for i in indices:
         st = plan.stages[i]
         ids = list(range(st.layer_start, st.layer_end))
-        groups = _fuse([split.groups[g] for g in ids], plan, tp_mesh)
+        groups = [split.groups[g] for g in ids]
+        if graph.frontend == "fx":  # the kernel patterns match torch-level ops, not an exported ATen graph
+            groups = _fuse(groups, plan, tp_mesh)
         for g in groups:
             chunks.update(rewrite_group(g, graph, plan, tp_mesh, ops, selective_recompute=st.recompute == "selective",
                                         placement_of=placement_of))

@@ -1,8 +1,13 @@
 """Cut a model into per-layer-group fx modules and chain them into pipeline stages.
 
-The model is traced with ``torch.fx.symbolic_trace`` (the same front end as :func:`autopar.ir.trace` with
-``frontend="fx"``,
-so fx node names equal ``autopar.ir.Node.name``).  Every fx node is assigned to the layer group
+The model is captured with the front end that made the plan's graph (``ir.Graph.frontend``), so fx node names equal
+``autopar.ir.Node.name``: ``torch.fx.symbolic_trace`` for graphs traced with ``frontend="fx"`` (the zoo), and
+``torch.export`` for the rest (Hugging Face, timm, torchtitan models: ``ir.trace``'s ``auto`` falls back to it).  An
+exported program is re-captured on the meta clone at the run's micro-batch shapes, with the same positional and
+keyword inputs, and run as its ATen training graph (``ExportedProgram.module()``): every op keeps autograd, so the
+group modules train like the model itself.  Its outputs are the model's flattened outputs (``ModelOutput`` fields,
+dict values, tuple items); the program's result is the first tensor among them (the loss when the model computes its
+own from ``labels``, else the logits).  Every fx node is assigned to the layer group
 (``autopar.ir.Graph.layers``) that
 holds the ir node of the same name; nodes the IR skips (``x.size()``, ``getattr``, ``get_attr``) go to the group of
 their first user.  Each group becomes one :class:`torch.fx.GraphModule` whose placeholders are the values it reads
@@ -19,8 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -29,7 +36,7 @@ from torch.utils.checkpoint import checkpoint
 
 from autopar import ir
 
-__all__ = ["GroupSpec", "SplitModel", "split_model", "StageModule"]
+__all__ = ["Example", "GroupSpec", "SplitModel", "capture", "split_model", "StageModule"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +60,24 @@ class SplitModel:
     """Placeholder names of the model's forward, in order."""
     output: str
     """Value name of the model output (a single tensor)."""
+    values: dict[str, tuple[tuple[int, ...], torch.dtype, bool]] = field(default_factory=dict)
+    """Exported captures: value name -> (shape, dtype, requires grad) at the captured micro-batch, for pipeline
+    stages whose boundary tensors are declared up front (see :meth:`boundary_examples`)."""
+
+    def boundary_examples(self, boundary: int, device: torch.device) -> tuple[torch.Tensor, ...] | None:
+        """Empty tensors shaped like the values crossing ``boundary`` (None without exported metadata).
+
+        ``torch.distributed.pipelining`` otherwise infers a stage's outputs by running it on uninitialized inputs,
+        which breaks on integer inputs carried through the pipeline (``labels`` for a model computing its own loss:
+        garbage class indices)."""
+        names = self.live_at(boundary)
+        if not self.values or any(n not in self.values for n in names):
+            return None
+        out = []
+        for n in names:
+            shape, dtype, grad = self.values[n]
+            out.append(torch.empty(shape or (1,), dtype=dtype, device=device).requires_grad_(grad))
+        return tuple(out)
 
     def live_at(self, boundary: int) -> tuple[str, ...]:
         """Values crossing the boundary before group ``boundary`` (``len(groups)``: the model output)."""
@@ -78,7 +103,7 @@ def _assign_groups(gm: fx.GraphModule, graph: ir.Graph) -> dict[fx.Node, int]:
     nodes = list(gm.graph.nodes)
     missing = [n for n in group_of_ir if n not in {x.name for x in nodes}]
     if missing:
-        raise ValueError(f"the model's fx trace does not match the given ir.Graph (nodes {missing[:3]} missing); "
+        raise ValueError(f"the model's capture does not match the given ir.Graph (nodes {missing[:3]} missing); "
                          "pass the graph traced from this model (ir.trace(model, inputs, frontend='fx'))")
     out: dict[fx.Node, int] = {}
     for n in reversed(nodes):
@@ -97,40 +122,119 @@ def _assign_groups(gm: fx.GraphModule, graph: ir.Graph) -> dict[fx.Node, int]:
     return out
 
 
-def split_model(root: nn.Module, graph: ir.Graph) -> SplitModel:
-    """Trace ``root`` with fx and cut it into one GraphModule per layer group of ``graph``."""
+Example = tuple[tuple[Any, ...], dict[str, Any]]
+"""Positional and keyword example inputs (at the run's micro-batch shapes, usually on the meta device)."""
+
+
+def capture(root: nn.Module, graph: ir.Graph, example: Example | None = None,
+            device: torch.device | None = None) -> fx.GraphModule:
+    """``root`` as an fx GraphModule from the front end that captured ``graph`` (see the module docstring).
+
+    An exported capture of a meta model creates its tensors (``arange`` positions, masks) on the meta device: those
+    device arguments are moved to ``device``, where the program runs."""
+    if graph.frontend != "export":
+        return fx.symbolic_trace(root)
+    if example is None:
+        raise ValueError("a model captured with torch.export needs example inputs to be captured again")
+    args, kwargs = example
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ep = torch.export.export(root, tuple(args), dict(kwargs), strict=False)
+    gm = ep.module()
+    for n in list(gm.graph.nodes):  # the input guard module torch.export inserts checks shapes only
+        if n.op == "call_module" and not n.users and str(n.target).startswith("_guards"):
+            gm.graph.erase_node(n)
+        elif device is not None and any(_is_meta(v) for v in (*n.args, *n.kwargs.values())):
+            n.args = tuple(device if _is_meta(v) else v for v in n.args)
+            n.kwargs = {k: device if _is_meta(v) else v for k, v in n.kwargs.items()}
+    gm.recompile()
+    return gm
+
+
+def _is_meta(v: object) -> bool:
+    return isinstance(v, torch.device) and v.type == "meta"
+
+
+def _result(out_node: fx.Node) -> fx.Node:
+    """The program's result: the model's (first) output tensor."""
+    flat: list[fx.Node] = []
+    fx.node.map_arg(out_node.args[0], flat.append)  # type: ignore[arg-type,func-returns-value]
+    if not flat:
+        raise ValueError("the model returns no tensor")
+    return flat[0]
+
+
+def split_model(root: nn.Module, graph: ir.Graph, example: Example | None = None,
+                device: torch.device | None = None) -> SplitModel:
+    """Capture ``root`` (see :func:`capture`) and cut it into one GraphModule per layer group of ``graph``."""
     if not graph.layers:
         raise ValueError("the ir.Graph has no layer groups; trace it with ir.trace")
-    gm = fx.symbolic_trace(root)
+    gm = capture(root, graph, example, device)
     group = _assign_groups(gm, graph)
     nodes = list(gm.graph.nodes)
     out_node = next(n for n in nodes if n.op == "output")
     result = out_node.args[0]
     if not isinstance(result, fx.Node):
-        raise ValueError("the model must return a single tensor to be split into pipeline stages")
+        if graph.frontend != "export":
+            raise ValueError("the model must return a single tensor to be split into pipeline stages")
+        result = _result(out_node)
     n_groups = len(graph.layers)
     members: list[list[fx.Node]] = [[] for _ in range(n_groups)]
     for n in nodes:
-        if n in group and group[n] >= 0:
+        if n in group and group[n] >= 0 and not (graph.frontend == "export" and n.op == "get_attr"):
             members[group[n]].append(n)
+    # An exported graph reads every parameter through a get_attr node: each group reads its own, so a parameter
+    # used by several stages (tied embeddings) is held by each of them, never sent between stages as a value.
+    local_attr = graph.frontend == "export"
     specs, modules = [], []
     for gi in range(n_groups):
         mine = set(members[gi])
-        reads = dict.fromkeys(a for n in members[gi] for a in n.all_input_nodes if a not in mine)
+        needed = dict.fromkeys(a for n in members[gi] for a in n.all_input_nodes if a not in mine)
+        attrs = [a for a in needed if local_attr and a.op == "get_attr"]
+        reads = [a for a in needed if a not in attrs]
         writes = [n for n in members[gi] if n is result or any(group.get(u, n_groups) > gi for u in n.users)]
         spec = GroupSpec(gi, tuple(a.name for a in reads), tuple(n.name for n in writes))
         specs.append(spec)
-        modules.append(_group_module(gm, members[gi], list(reads), writes, f"Group{gi}"))
+        modules.append(_group_module(gm, members[gi], reads, writes, f"Group{gi}", attrs))
     placeholders = tuple(n.name for n in nodes if n.op == "placeholder")
-    return SplitModel(modules, specs, placeholders, result.name)
+    values = _value_metadata(gm) if graph.frontend == "export" else {}
+    return SplitModel(modules, specs, placeholders, result.name, values)
+
+
+def _value_metadata(gm: fx.GraphModule) -> dict[str, tuple[tuple[int, ...], torch.dtype, bool]]:
+    """Shape, dtype and whether autograd tracks it, per tensor value of an exported graph: a floating value computed
+    from a trainable parameter requires grad; inputs, integer values and values built from inputs only do not."""
+    out: dict[str, tuple[tuple[int, ...], torch.dtype, bool]] = {}
+    grad: dict[fx.Node, bool] = {}
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            t = gm.get_parameter(str(n.target)) if _is_param(gm, str(n.target)) else None
+            grad[n] = bool(t is not None and t.requires_grad)
+            continue
+        grad[n] = n.op != "placeholder" and any(grad.get(a, False) for a in n.all_input_nodes)
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            req = grad[n] and (val.dtype.is_floating_point or val.dtype.is_complex)
+            out[n.name] = (tuple(int(d) for d in val.shape), val.dtype, req)
+    return out
+
+
+def _is_param(gm: fx.GraphModule, target: str) -> bool:
+    try:
+        gm.get_parameter(target)
+    except AttributeError:
+        return False
+    return True
 
 
 def _group_module(gm: fx.GraphModule, members: list[fx.Node], reads: list[fx.Node], writes: list[fx.Node],
-                  name: str) -> fx.GraphModule:
+                  name: str, attrs: list[fx.Node] = ()) -> fx.GraphModule:  # type: ignore[assignment]
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for r in reads:
         env[r] = g.placeholder(r.name)
+    for a in attrs:
+        env[a] = g.node_copy(a)
     for n in members:
         env[n] = g.node_copy(n, lambda a: env[a])
     g.output(tuple(env[w] for w in writes))
@@ -176,5 +280,14 @@ class StageModule(nn.Module):
             else:
                 outs = self._run(mod, *ins)
             env.update(zip(spec.outputs, outs))
-        res = [self._wrap_out(env[n]) if self._wrap_out else env[n] for n in self.out_names]
+        res = [_at_least_1d(self._wrap_out(env[n]) if self._wrap_out else env[n]) for n in self.out_names]
         return res[0] if len(res) == 1 else tuple(res)
+
+
+def _at_least_1d(x: object) -> object:
+    """A stage output as pipeline schedules send it: contiguous (an ``expand``-ed mask or a transposed value is not,
+    and the p2p send needs it), and a scalar (the loss of a model computing its own) as shape (1,), because the
+    schedule concatenates the last stage's outputs over micro-batches."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    return x.reshape(1) if x.dim() == 0 else x.contiguous()

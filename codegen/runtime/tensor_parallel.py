@@ -187,8 +187,14 @@ class HeadSDPA(nn.Module):
         mesh = next(t.device_mesh for t in (q, k, v) if isinstance(t, DTensor))
         q, k, v = (to_dtensor(t, mesh) for t in (q, k, v))
         pl = tuple(q.placements)
+        mask = kwargs.get("attn_mask")
+        if isinstance(mask, DTensor):  # a mask built in forward from replicated values: the same on every rank
+            mask = kwargs["attn_mask"] = mask.full_tensor()
+        # a mask with a batch (dim 0) or head (dim 1) extent > 1 must be cut like q; broadcast dims need nothing
+        mask_ok = mask is None or pl not in ((Shard(0),), (Shard(1),)) or mask.dim() < 4 or \
+            mask.shape[pl[0].dim] == 1  # type: ignore[union-attr]
         ok = (pl in ((Shard(0),), (Shard(1),)) and tuple(k.placements) == pl and tuple(v.placements) == pl
-              and not isinstance(kwargs.get("attn_mask"), DTensor))
+              and mask_ok)
         if not ok:
             rep = [Replicate()]
             q, k, v = (t.redistribute(mesh, rep) for t in (q, k, v))
@@ -260,6 +266,10 @@ def _view_chunks(graph: ir.Graph, linear: str, view: str, tp: int, planned: int 
                      f"(S(0)[{math.prod(factors[:-1])}] on the weight, as the planner emits)")
 
 
+_SDPA = (F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default)
+"""Attention as fx (torch function) and torch.export (ATen op) capture it."""
+
+
 def rewrite_group(gm: fx.GraphModule, graph: ir.Graph, plan: ir.Plan, mesh: DeviceMesh | None,
                   ops: dict[str, ir.OpSharding], *, selective_recompute: bool,
                   placement_of: Callable[[str], str] | None = None) -> dict[str, int]:
@@ -276,7 +286,7 @@ def rewrite_group(gm: fx.GraphModule, graph: ir.Graph, plan: ir.Plan, mesh: Devi
     for n in list(gm.graph.nodes):
         if n.name in erased:
             continue
-        if n.op == "call_function" and n.target is F.scaled_dot_product_attention and (mesh or selective_recompute):
+        if n.op == "call_function" and n.target in _SDPA and (mesh or selective_recompute):
             _swap_node(gm, n, HeadSDPA(mesh, selective_recompute), f"_sdpa_{n.name}")
             continue
         if mesh is None:
