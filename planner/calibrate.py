@@ -38,7 +38,7 @@ from autopar.ir.graph import Graph
 from autopar.ir.plan import Plan
 from autopar.planner.options import PlanOptions
 from autopar.planner.run import attribution
-from autopar.profiles.refit import FitResult, apply_factors, factor_names, fit_factors, provenance
+from autopar.profiles.refit import OVERLAP_FIELD, FitResult, apply_factors, factor_names, fit_factors, provenance
 from autopar.profiles.schema import ClusterProfile, save_profile
 
 __all__ = [
@@ -208,11 +208,17 @@ def shardings(plan: Plan) -> tuple:
             tuple((p.pattern, p.placement) for p in plan.param_shardings))
 
 
-def compose(first: dict[str, float], then: dict[str, float]) -> dict[str, float]:
-    """The factors of applying ``first`` and then ``then`` (products; ``overlap`` shifts add)."""
+def compose(first: dict[str, float], then: dict[str, float], base_overlap: float = 0.0) -> dict[str, float]:
+    """The factors of applying ``first`` and then ``then``: products, except ``overlap``, a clamped shift of the
+    base profile's overlap value ``base_overlap`` (see :mod:`autopar.profiles.refit`)."""
     out = dict(first)
     for k, v in then.items():
-        out[k] = out.get(k, 1.0) + v - 1.0 if k == "overlap" else out.get(k, 1.0) * v
+        if k == "overlap":
+            mid = min(1.0, max(0.0, base_overlap + out.get(k, 1.0) - 1.0))
+            end = min(1.0, max(0.0, mid + v - 1.0))
+            out[k] = max(end - base_overlap + 1.0, 1e-9)
+        else:
+            out[k] = out.get(k, 1.0) * v
     return out
 
 
@@ -229,7 +235,7 @@ def calibrate_loop(base: ClusterProfile, runs: list[tuple[Plan, Graph, RunMeasur
     current, fit = base, None
     for it in range(max(1, iterations)):
         fit = calibrate(current, runs)
-        total = compose(total, fit.factors)
+        total = compose(total, fit.factors, getattr(base.device, OVERLAP_FIELD, 0.0))
         current = apply_factors(base, total)
         if it + 1 >= iterations or remeasure is None:
             break

@@ -193,9 +193,19 @@ def test_calibrate_on_dp_and_tp_predicts_a_held_out_pipeline_plan() -> None:
     assert abs(got / want - 1) < 0.10 < abs(before / want - 1)
 
 
-def test_compose_multiplies_factors_and_adds_overlap_shifts() -> None:
-    assert compose({"matmul": 2.0, "overlap": 1.2}, {"matmul": 3.0, "overlap": 1.1, "memory": 0.5}) == pytest.approx(
-        {"matmul": 6.0, "overlap": 1.3, "memory": 0.5})
+def test_compose_equals_applying_twice() -> None:
+    base = dataclasses.replace(cpu_like(), device=dataclasses.replace(cpu_like().device, **{OVERLAP_FIELD: 0.1})) \
+        if hasattr(cpu_like().device, OVERLAP_FIELD) else cpu_like()
+    b = getattr(base.device, OVERLAP_FIELD, 0.0)
+    for first, then in (({"matmul": 2.0, "overlap": 1.2}, {"matmul": 3.0, "overlap": 1.1, "memory": 0.5}),
+                        ({"overlap": 0.5}, {"overlap": 1.3}), ({"overlap": 0.2}, {"overlap": 0.3})):
+        if not hasattr(base.device, OVERLAP_FIELD):
+            first, then = ({k: v for k, v in d.items() if k != "overlap"} for d in (first, then))
+        twice = apply_factors(apply_factors(base, first), then)
+        once = apply_factors(base, compose(first, then, b))
+        assert CostModel(once).op_time(1e9, 1e6, "float32", "matmul") == pytest.approx(
+            CostModel(twice).op_time(1e9, 1e6, "float32", "matmul"))
+        assert getattr(once.device, OVERLAP_FIELD, 0.0) == pytest.approx(getattr(twice.device, OVERLAP_FIELD, 0.0))
 
 
 def test_calibrate_loop_remeasures_plans_the_fit_reshards() -> None:
