@@ -137,14 +137,20 @@ class TimeBreakdown:
 
     compute: float = 0.0
     exposed_comm: float = 0.0
-    """Communication not hidden behind compute (tp collectives, dp gradient sync tail, p2p)."""
+    """Communication not hidden behind compute (tp collectives, data-parallel gathers/reductions, p2p)."""
     bubble: float = 0.0
     """Pipeline idle time."""
     optimizer: float = 0.0
+    contention: float = 0.0
+    """Compute time lost while it overlaps data-parallel communication (SM/HBM contention)."""
+    dp_exposed: float = 0.0
+    """The data-parallel part of ``exposed_comm`` (first gathers, last reductions, comm-bound steps)."""
+    dp_collectives: float = 0.0
+    """All data-parallel collective time of the iteration, hidden or not (not part of ``total``)."""
 
     @property
     def total(self) -> float:
-        return self.compute + self.exposed_comm + self.bubble + self.optimizer
+        return self.compute + self.exposed_comm + self.bubble + self.optimizer + self.contention
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -211,6 +217,9 @@ class Plan:
     """ZeRO/FSDP level on the dp axis: 0 replicate, 1 optimizer states, 2 + gradients, 3 + parameters."""
     dtype: str = "float32"
     """Training compute dtype (mixed precision keeps fp32 master weights when this is half precision)."""
+    reduce_dtype: str = "float32"
+    """Dtype gradients are reduced (all-reduce / reduce-scatter) in over the dp axis; FSDP2's
+    ``MixedPrecisionPolicy.reduce_dtype``.  fp32 by default, as torchtitan and Megatron-LM (bf16) run it."""
     stages: tuple[StagePlan, ...]
     param_shardings: tuple[ParamSharding, ...] = ()
     op_shardings: tuple[OpSharding, ...] = ()

@@ -22,6 +22,10 @@ class PlanOptions:
     """Samples per training iteration, over all data-parallel replicas."""
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     """Training compute dtype; half precision means mixed precision (fp32 master weights, 16 B/param with Adam)."""
+    reduce_dtype: Literal["bfloat16", "float16", "float32"] = "float32"
+    """Dtype of the data-parallel gradient reduction (FSDP2 ``MixedPrecisionPolicy.reduce_dtype``; the all-reduce of
+    ZeRO 0).  fp32 by default: the common choice of FSDP and Megatron-LM users for bf16 training (torchtitan's
+    ``mixed_precision_reduce``; Megatron-LM's fp32 gradient buffers), at twice the bytes of a bf16 reduction."""
     pins: Mapping[str, int | str] = field(default_factory=dict)
     """Fixed choices: any of pp, dp, tp, zero, micro_batch, schedule, recompute, virtual_stages."""
     top_k: int = 5
@@ -48,7 +52,15 @@ class PlanOptions:
     """Overlap the data-parallel gradient sync with the last micro-batch's backward (DDP/FSDP2 bucketing); False
     costs it after the backward, as frameworks without overlap (e.g. Megatron-LM in 2021) ran it."""
 
+    dp_collectives: Literal["unit", "tensor"] = "unit"
+    """How the data-parallel axis issues its collectives.  ``unit``: one all-gather / reduce-scatter per FSDP unit
+    (layer group), overlapped with compute: FSDP2, what the generated runtime runs.  ``tensor``: one per parameter
+    tensor, and ZeRO-3 re-gathers for the recomputed forward: DeepSpeed ZeRO-3 as published in 2021 (used to cost
+    published DeepSpeed runs; see ``planner.calibration``)."""
+
     def __post_init__(self) -> None:
+        if self.dp_collectives not in ("unit", "tensor"):
+            raise ValueError(f"dp_collectives must be 'unit' or 'tensor', got {self.dp_collectives!r}")
         if self.global_batch < 1:
             raise ValueError(f"global_batch must be >= 1, got {self.global_batch}")
         if self.workers < 1:

@@ -87,10 +87,11 @@ def render_plan(plan: Plan, *, graph: Graph | None = None, width: int = 120) -> 
         head.add_row("note", n)
     t = plan.time
     tt = Table(title=f"iteration time {fmt_time(t.total)}")
-    for c in ("compute", "exposed comm", "bubble", "optimizer"):
+    for c in ("compute", "contention", "exposed comm", "of which dp", "bubble", "optimizer"):
         tt.add_column(c, justify="right")
     tot = t.total or 1.0
-    tt.add_row(*(f"{fmt_time(v)} ({v / tot:.0%})" for v in (t.compute, t.exposed_comm, t.bubble, t.optimizer)))
+    tt.add_row(*(f"{fmt_time(v)} ({v / tot:.0%})" for v in (t.compute, t.contention, t.exposed_comm, t.dp_exposed,
+                                                             t.bubble, t.optimizer)))
     st = Table(title="stages (memory per device of the stage's pipeline rank)")
     for c in ("stage", "rank", "layers", "recompute", "fwd/mb", "bwd/mb", "model state", "activations", "other",
               "total"):

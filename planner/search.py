@@ -229,7 +229,8 @@ def _screen_unit(s: _Screening, unit: tuple[int, int]) -> tuple[list[Screened], 
                     for lean, table in variants:
                         c = Candidate(pp, dp, tp, mb, m, sched, v, zero, rc, lean)
                         sc = screen(c, table, cost, dtype=options.dtype, capacity=capacity, p2p_intra=p2p_intra,
-                                    overlap_grad_sync=options.overlap_grad_sync, memo=s.memo)
+                                    overlap_grad_sync=options.overlap_grad_sync, memo=s.memo,
+                                    reduce_dtype=options.reduce_dtype, dp_collectives=options.dp_collectives)
                         count += 1
                         if sc is None:
                             continue

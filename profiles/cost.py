@@ -8,6 +8,12 @@ the device's efficiency table; for the other kinds ``rate = vector_flops`` (non-
 ``sustained_fraction`` (1.0 unless the profile says otherwise) scales isolated-kernel rates down to what a whole
 training step sustains (see :class:`~profiles.schema.DeviceProfile`).
 
+**Causal flash attention** (kind ``causal_attention``) is costed as the kernel runs: the caller passes the FLOPs it
+performs (half the score matrix; FlashAttention skips fully masked blocks, Dao 2023, sec. 3.1) and the sequence
+length, and the rate comes from the device's ``causal_attention_efficiency`` curve (log-linear in ``seq``, clamped),
+not from the GEMM table: short sequences leave the kernel latency- and softmax-bound.  Without a curve the GEMM
+table is used at those FLOPs.
+
 **Collectives** follow the NCCL-tests bus-bandwidth convention documented in :mod:`autopar.profiles.schema`.
 A group is described by a :class:`GroupSpan`: ``d`` devices in each of ``m`` nodes (``g = d * m`` ranks).
 
@@ -27,6 +33,15 @@ A group is described by a :class:`GroupSpan`: ``d`` devices in each of ``m`` nod
 scaled by ``(g-1)/(g0-1)``; above the largest point alpha grows as ``log2(g)/log2(g_max)`` (NCCL switches to
 tree-like algorithms whose latency grows logarithmically at scale); busbw is clamped to the nearest point.
 
+**Ring latency at scale.** NCCL runs all_gather and reduce_scatter only as rings (no tree), and a ring of ``g``
+ranks takes ``g - 1`` dependent steps, each paying a per-step latency: NCCL's tuning model charges
+``baseLat + nsteps * hwLat`` with ``hwLat`` 6.6 us per step once the ring leaves the node (``src/graph/tuning.cc``,
+Ring/Simple on the network; Thakur et al. 2005 for the ``alpha (p - 1)`` ring term).  Beyond the largest node count
+of the inter-node table, their inter-node alpha is therefore the table's alpha at that count plus
+``RING_HOP_S * d * (m - m_last)`` (``d`` ring steps per extra node) instead of the logarithmic growth: with hundreds
+of ranks and small per-rank shards these collectives are latency-bound.  all_reduce (tree at scale) keeps the
+logarithmic growth.
+
 **Single-level profiles** (e.g. one measured machine, no ``inter_node`` level): asking for a group spanning more
 than one node raises :class:`ValueError` with an actionable message (we do not silently pretend the intra-node link
 spans nodes: that would make multi-node plans look far too cheap).
@@ -38,24 +53,34 @@ import math
 from dataclasses import dataclass
 from typing import Final
 
-from autopar.profiles.schema import COLLECTIVES, AlphaBeta, ClusterProfile, EfficiencyPoint, LinkProfile
+from autopar.profiles.schema import (
+    COLLECTIVES,
+    AlphaBeta,
+    ClusterProfile,
+    EfficiencyPoint,
+    LinkProfile,
+    SeqEfficiencyPoint,
+)
 
 __all__ = [
     "OP_KINDS",
     "MATMUL_KINDS",
     "RAIL_SCALED",
+    "RING_HOP_S",
     "GroupSpan",
     "group_span",
     "collective_factor",
     "interp_alpha_beta",
     "interp_efficiency",
+    "interp_seq_efficiency",
     "CostModel",
 ]
 
 OP_KINDS: Final = (
-    "matmul", "attention", "pointwise", "reduction", "norm", "softmax", "embedding", "conv", "view", "other",
+    "matmul", "attention", "causal_attention", "pointwise", "reduction", "norm", "softmax", "embedding", "conv",
+    "view", "other",
 )
-MATMUL_KINDS: Final = frozenset({"matmul", "attention", "conv"})
+MATMUL_KINDS: Final = frozenset({"matmul", "attention", "causal_attention", "conv"})
 RAIL_SCALED: Final = frozenset({"all_reduce", "all_gather", "reduce_scatter"})
 _DTYPE_ALIASES: Final = {
     "fp32": "float32", "float": "float32", "torch.float32": "float32",
@@ -63,6 +88,9 @@ _DTYPE_ALIASES: Final = {
     "bf16": "bfloat16", "torch.bfloat16": "bfloat16",
 }
 _ITEMSIZE: Final = {"float32": 4, "tf32": 4, "float16": 2, "bfloat16": 2}
+RING_HOP_S: Final = 6.6e-6
+"""NCCL tuning model, Ring/Simple latency per ring step on the network (``src/graph/tuning.cc``, ``hwLat``)."""
+RING_ONLY: Final = frozenset({"all_gather", "reduce_scatter"})
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -147,6 +175,20 @@ def interp_efficiency(points: tuple[EfficiencyPoint, ...], flops: float) -> floa
     raise AssertionError("unreachable: table not sorted")
 
 
+def interp_seq_efficiency(points: tuple[SeqEfficiencyPoint, ...], seq: int) -> float:
+    """Efficiency at sequence length ``seq``: linear in ``log(seq)`` between points, clamped at the ends."""
+    if seq <= points[0].seq:
+        return points[0].efficiency
+    if seq >= points[-1].seq:
+        return points[-1].efficiency
+    x = math.log(seq)
+    for a, b in zip(points, points[1:]):
+        if a.seq <= seq <= b.seq:
+            w = (x - math.log(a.seq)) / (math.log(b.seq) - math.log(a.seq))
+            return a.efficiency + w * (b.efficiency - a.efficiency)
+    raise AssertionError("unreachable: table not sorted")
+
+
 class CostModel:
     """Times in seconds for ops, collectives and p2p transfers on ``profile``.
 
@@ -175,10 +217,12 @@ class CostModel:
         table = tables.get(dt) or tables.get("default") or next(iter(tables.values()))
         return interp_efficiency(table, max(flops, 1.0))
 
-    def compute_rate(self, dtype: str, kind: str, flops: float) -> float:
-        """Achieved FLOP/s of an op of ``kind``."""
+    def compute_rate(self, dtype: str, kind: str, flops: float, seq: int | None = None) -> float:
+        """Achieved FLOP/s of an op of ``kind`` (``seq``: key length, for ``causal_attention``)."""
         dev = self.profile.device
         dt = self._dtype(dtype)
+        if kind == "causal_attention" and dev.causal_attention_efficiency and seq:
+            return dev.peak_flops[dt] * interp_seq_efficiency(dev.causal_attention_efficiency, seq)
         if kind in MATMUL_KINDS:
             peak_key = "tf32" if (dt == "float32" and self.allow_tf32 and "tf32" in dev.peak_flops) else dt
             return dev.peak_flops[peak_key] * self.efficiency(dt, flops)
@@ -186,7 +230,8 @@ class CostModel:
             return dev.vector_flops
         return dev.peak_flops.get("float32", dev.peak_flops[dt])
 
-    def op_time(self, flops: float, bytes: float, dtype: str, kind: str = "other") -> float:  # noqa: A002
+    def op_time(self, flops: float, bytes: float, dtype: str, kind: str = "other",  # noqa: A002
+                seq: int | None = None) -> float:
         """``max(flops / rate, bytes / memory_bandwidth) / sustained_fraction + launch_overhead``; 0 for views."""
         if kind not in OP_KINDS:
             raise ValueError(f"unknown op kind {kind!r}; expected one of {', '.join(OP_KINDS)}")
@@ -195,7 +240,7 @@ class CostModel:
         if kind == "view":
             return 0.0
         dev = self.profile.device
-        compute = flops / self.compute_rate(dtype, kind, flops) if flops > 0 else 0.0
+        compute = flops / self.compute_rate(dtype, kind, flops, seq) if flops > 0 else 0.0
         memory = bytes / dev.memory_bandwidth
         return max(compute, memory) / dev.sustained_fraction + dev.launch_overhead_s
 
@@ -269,7 +314,13 @@ class CostModel:
             alpha += a
             bws.append(bw)
         if m > 1:
-            a, bw = interp_alpha_beta(self._level("inter_node").table(kind), m)
+            table = self._level("inter_node").table(kind)
+            last = table[-1].group_size
+            if kind in RING_ONLY and m > last:
+                a, bw = interp_alpha_beta(table, last)
+                a += RING_HOP_S * d * (m - last)
+            else:
+                a, bw = interp_alpha_beta(table, m)
             if kind in RAIL_SCALED:
                 bw *= d / prof.devices_per_node
             alpha += a

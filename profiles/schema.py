@@ -43,6 +43,7 @@ __all__ = [
     "ProfileError",
     "AlphaBeta",
     "EfficiencyPoint",
+    "SeqEfficiencyPoint",
     "DeviceProfile",
     "LinkProfile",
     "ClusterProfile",
@@ -90,6 +91,17 @@ class EfficiencyPoint:
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
+class SeqEfficiencyPoint:
+    """Achieved fraction of peak FLOP/s of a fused (flash) attention kernel at a sequence length."""
+
+    seq: int
+    """Key/value sequence length."""
+    efficiency: float
+    """Achieved FLOP/s (counting only the FLOPs the kernel performs: half the score matrix when causal) over the
+    dtype's peak, in (0, 1]."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
 class DeviceProfile:
     """One accelerator (or one CPU rank) of the cluster."""
 
@@ -112,6 +124,13 @@ class DeviceProfile:
     sustain inside a whole training step, in (0, 1]: a step runs hundreds of kernels back to back at full power draw,
     with launch gaps and cache/HBM interference that a single-kernel benchmark loop does not see.  1.0 means the rates
     were measured in situ (or no in-situ measurement exists)."""
+    causal_attention_efficiency: tuple[SeqEfficiencyPoint, ...] = ()
+    """Forward + backward efficiency of causal flash attention against sequence length, sorted by ``seq``; empty:
+    causal attention is costed through the matmul table at half its FLOPs."""
+    overlap_slowdown: float = 0.0
+    """Compute seconds lost per second of communication overlapped with it, in [0, 1]: collective kernels take SMs
+    and HBM bandwidth from the compute kernels they run beside (Galvatron's overlap coefficient, Miao et al.,
+    VLDB 2023).  0 means overlapped communication is free."""
     sources: dict[str, str] = field(default_factory=dict)
     """Field name -> where its number comes from."""
 
@@ -283,10 +302,28 @@ def _efficiency(v: Any, path: str) -> tuple[EfficiencyPoint, ...]:
     return tuple(pts)
 
 
+def _seq_efficiency(v: Any, path: str) -> tuple[SeqEfficiencyPoint, ...]:
+    if not isinstance(v, list):
+        raise _fail(path, f"expected a list of {{seq, efficiency}}, got {v!r}")
+    pts: list[SeqEfficiencyPoint] = []
+    for i, x in enumerate(v):
+        p = f"{path}[{i}]"
+        d = _mapping(x, p)
+        _keys(d, p, {"seq", "efficiency"})
+        eff = _num(d["efficiency"], _join(p, "efficiency"))
+        if eff > 1.0:
+            raise _fail(_join(p, "efficiency"), f"expected a number in (0, 1], got {eff!r}")
+        pts.append(SeqEfficiencyPoint(seq=_int(d["seq"], _join(p, "seq")), efficiency=eff))
+    if [q.seq for q in pts] != sorted({q.seq for q in pts}):
+        raise _fail(path, "seq must be strictly increasing")
+    return tuple(pts)
+
+
 def _device(v: Any, path: str) -> DeviceProfile:
     d = _mapping(v, path)
     req = {"name", "memory_bytes", "peak_flops", "matmul_efficiency", "memory_bandwidth", "launch_overhead_s"}
-    _keys(d, path, req, {"vector_flops", "sustained_fraction", "sources"})
+    _keys(d, path, req, {"vector_flops", "sustained_fraction", "overlap_slowdown", "causal_attention_efficiency",
+                         "sources"})
     pf_path = _join(path, "peak_flops")
     peak = {_dtype(k, f"{pf_path}.{k}"): _num(x, f"{pf_path}.{k}") for k, x in _mapping(d["peak_flops"], pf_path).items()}
     if not peak:
@@ -303,6 +340,10 @@ def _device(v: Any, path: str) -> DeviceProfile:
     sf = _num(d.get("sustained_fraction", 1.0), sf_path)
     if sf > 1.0:
         raise _fail(sf_path, f"must be in (0, 1], got {sf}")
+    os_path = _join(path, "overlap_slowdown")
+    slow = _num(d.get("overlap_slowdown", 0.0), os_path, allow_zero=True)
+    if slow > 1.0:
+        raise _fail(os_path, f"must be in [0, 1], got {slow}")
     return DeviceProfile(
         name=_str(d["name"], _join(path, "name")),
         memory_bytes=_int(d["memory_bytes"], _join(path, "memory_bytes")),
@@ -312,6 +353,9 @@ def _device(v: Any, path: str) -> DeviceProfile:
         launch_overhead_s=_num(d["launch_overhead_s"], _join(path, "launch_overhead_s"), allow_zero=True),
         vector_flops=None if vf is None else _num(vf, _join(path, "vector_flops")),
         sustained_fraction=sf,
+        overlap_slowdown=slow,
+        causal_attention_efficiency=_seq_efficiency(d.get("causal_attention_efficiency", []),
+                                                    _join(path, "causal_attention_efficiency")),
         sources=_str_map(d.get("sources", {}), _join(path, "sources")),
     )
 
@@ -369,6 +413,11 @@ def profile_to_dict(profile: ClusterProfile) -> dict[str, Any]:
         device["vector_flops"] = dev.vector_flops
     if dev.sustained_fraction != 1.0:
         device["sustained_fraction"] = dev.sustained_fraction
+    if dev.overlap_slowdown:
+        device["overlap_slowdown"] = dev.overlap_slowdown
+    if dev.causal_attention_efficiency:
+        device["causal_attention_efficiency"] = [{"seq": q.seq, "efficiency": q.efficiency}
+                                                 for q in dev.causal_attention_efficiency]
     if dev.sources:
         device["sources"] = dict(dev.sources)
     links = {

@@ -6,6 +6,11 @@ gathered between forward and backward (``reshard_after_forward=False``), so the 
 in ZeRO-1/2's communication pattern, while the memory of parameters is that of the gathered copy during a step.
 Level 0 keeps full replicas and averages gradients with one flattened all-reduce per step (the same collective a
 DDP bucket issues; DDP itself does not accept DTensor parameters, hence the explicit sync).
+
+Precision (:func:`mp_policy`): parameters, gradients and optimizer state stay fp32 (sharded); for a half-precision
+plan FSDP2 casts the gathered parameters to the plan's dtype (``param_dtype``), so all-gathers move 2 bytes per
+element and the unsharded copies are half precision, and reduces gradients in the plan's ``reduce_dtype`` (fp32 by
+default).  This is the program the cost and memory models describe (``planner.inter_op.dpcomm``, ``memory``).
 """
 
 from __future__ import annotations
@@ -16,20 +21,33 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-__all__ = ["apply_fsdp", "allreduce_grads", "local_grad", "fix_grad_placements"]
+__all__ = ["apply_fsdp", "mp_policy", "allreduce_grads", "local_grad", "fix_grad_placements"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def mp_policy(dtype: str, reduce_dtype: str = "float32") -> MixedPrecisionPolicy:
+    """FSDP2's policy for a plan: gather parameters in ``dtype`` (no cast for fp32), reduce in ``reduce_dtype``."""
+    if dtype not in _DTYPES or reduce_dtype not in _DTYPES:
+        raise ValueError(f"unsupported plan dtypes {dtype!r}/{reduce_dtype!r}; expected one of {', '.join(_DTYPES)}")
+    param = None if dtype == "float32" else _DTYPES[dtype]
+    reduce = None if reduce_dtype == dtype == "float32" else _DTYPES[reduce_dtype]
+    return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
 
 log = logging.getLogger(__name__)
 
 
 def apply_fsdp(stages: list[nn.Module], group_lists: list[list[nn.Module]], dp_mesh: DeviceMesh,
-               zero: int) -> None:
+               zero: int, *, policy: MixedPrecisionPolicy | None = None) -> None:
     """``fully_shard`` every layer-group module (one all-gather/reduce-scatter unit per block) and each stage.
 
-    Groups holding a parameter shared with another group (tied embeddings) are left to their stage's root unit."""
+    Groups holding a parameter shared with another group (tied embeddings) are left to their stage's root unit.
+    ``policy``: the plan's :func:`mp_policy` (default: no casting, fp32 throughout)."""
     reshard = zero >= 3
+    policy = policy or MixedPrecisionPolicy()
     owners: dict[int, int] = {}
     for groups in group_lists:
         for g in groups:
@@ -39,8 +57,8 @@ def apply_fsdp(stages: list[nn.Module], group_lists: list[list[nn.Module]], dp_m
         for g in groups:
             params = list(g.parameters())
             if params and all(owners[id(p)] == 1 for p in params):
-                fully_shard(g, mesh=dp_mesh, reshard_after_forward=reshard)
-        fully_shard(stage, mesh=dp_mesh, reshard_after_forward=reshard)
+                fully_shard(g, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+        fully_shard(stage, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
 
 
 def local_grad(p: torch.Tensor) -> torch.Tensor | None:

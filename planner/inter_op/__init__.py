@@ -36,24 +36,24 @@ from autopar.planner.inter_op.schedule import (
                                              rank_order,
                                              simulate,
 )
+from autopar.planner.inter_op.dpcomm import DpComm, dp_comm
 from autopar.planner.inter_op.screen import (
                                              ADAM_STEP_BYTES,
                                              Candidate,
                                              LayerTable,
                                              Screened,
                                              divisors,
-                                             dp_sync_time,
+                                             dp_time,
                                              group_placements,
                                              in_flight,
                                              layer_table,
                                              reserve_for,
                                              screen,
-                                             zero3_gather_exposed,
 )
 
 __all__ = [
     "Candidate", "LayerTable", "Screened", "layer_table", "screen", "group_placements", "divisors", "in_flight",
-    "reserve_for", "dp_sync_time", "zero3_gather_exposed", "ADAM_STEP_BYTES",
+    "reserve_for", "dp_time", "ADAM_STEP_BYTES", "DpComm", "dp_comm",
     "StagePartition", "minmax_partition", "partition_stages", "stage_cost", "rank_chunks",
     "OpEvent", "ScheduleResult", "SCHEDULES", "rank_order", "simulate", "peak_in_flight", "chrome_trace",
     "GiB", "MemoryReserve", "model_state_bytes", "zero3_transient_bytes", "in_flight_microbatches",

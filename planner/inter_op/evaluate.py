@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Sequence
 
-from autopar.ir.graph import DTYPE_BYTES, Graph
+from autopar.ir.graph import Graph
 from autopar.ir.plan import (
     MemoryBreakdown,
     MeshPlan,
@@ -27,6 +27,7 @@ from autopar.ir.plan import (
     StagePlan,
     TimeBreakdown,
 )
+from autopar.planner.inter_op.dpcomm import DpComm
 from autopar.planner.inter_op.memory import memory_breakdown, model_state_bytes
 from autopar.planner.inter_op.partition import partition_stages, rank_chunks
 from autopar.planner.inter_op.schedule import ScheduleResult, simulate
@@ -35,11 +36,10 @@ from autopar.planner.inter_op.screen import (
     LayerTable,
     Screened,
     block_paths,
-    dp_sync_time,
+    dp_time,
     group_placements,
     in_flight,
     reserve_for,
-    zero3_gather_exposed,
 )
 from autopar.planner.intra_op.cpsat import CPSAT_WORKERS
 from autopar.planner.options import PlanOptions
@@ -99,7 +99,7 @@ def _rank_memory(table: LayerTable, chunks: Sequence[tuple[int, int]], rc: str, 
 
 def evaluate_stages(table: LayerTable, s: Screened, cost: CostModel, options: PlanOptions,
                     chunks: Sequence[tuple[int, int]], p2p_intra: bool
-                    ) -> tuple[ScheduleResult, list[str], list[MemoryBreakdown], list[float]] | None:
+                    ) -> tuple[ScheduleResult, list[str], list[MemoryBreakdown], list[float], list[DpComm]] | None:
     """Per-rank recompute choice, memory and the simulated schedule for fixed stage boundaries."""
     c = s.cand
     pp, n = c.pp, len(table.fwd)
@@ -126,29 +126,28 @@ def evaluate_stages(table: LayerTable, s: Screened, cost: CostModel, options: Pl
         bwd.append(sum(table.bwd[a:b]) + sum(table.recompute_fwd[rc][a:b]))
         tp_comm[k % pp] += sum(sol.fwd_comm_s + sol.bwd_comm_s for sol in table.solutions[a:b])
     p2p = [cost.p2p_time(table.out_bytes[b - 1], intra_node=p2p_intra) for _, b in chunks[:-1]]
-    item = DTYPE_BYTES.get(options.dtype, 4)
-    sync, gathers, opt = [], [], 0.0
+    comms, opt = [], 0.0
     for r in range(pp):
         mine = list(rank_chunks(chunks, pp, r))
         params = _rank_params(table, mine, n)
-        sync.append(dp_sync_time(cost, params * item, c.dp, c.tp, c.zero))
-        rank_time = sum(fwd[k] + bwd[k] for k in range(r, len(chunks), pp))
-        gathers.append(zero3_gather_exposed(cost, params * item, c.dp, c.tp, c.num_microbatches, rank_time)
-                       if c.zero == 3 else 0.0)
+        ks = range(r, len(chunks), pp)
+        comms.append(dp_time(cost, params=params, units=sum(b - a for a, b in mine), fwd_s=sum(fwd[k] for k in ks),
+                             bwd_s=sum(bwd[k] for k in ks), m=c.num_microbatches, dp=c.dp, tp=c.tp, zero=c.zero,
+                             dtype=options.dtype, reduce_dtype=options.reduce_dtype,
+                             overlap=options.overlap_grad_sync, recompute=rcs[r],
+                             tensors=sum(sum(table.tensors[a:b]) for a, b in mine)
+                             if options.dp_collectives == "tensor" else 0))
         opt = max(opt, params * ADAM_STEP_BYTES / (c.dp if c.zero >= 1 else 1)
                   / cost.profile.device.memory_bandwidth)
-    overlap = options.overlap_grad_sync
     sim = simulate(fwd, bwd, pp=pp, num_microbatches=c.num_microbatches, schedule=c.schedule,  # type: ignore[arg-type]
-                   virtual_stages=c.virtual_stages, p2p=p2p if p2p else 0.0, dp_sync=sync if overlap else 0.0,
-                   optimizer_s=opt)
-    # added after the simulated pipeline: ZeRO-3 gathers not hidden under compute, and the whole gradient sync when
-    # it does not overlap the last backward
-    extra = [g + (0.0 if overlap else s) for g, s in zip(gathers, sync)]
+                   virtual_stages=c.virtual_stages, p2p=p2p if p2p else 0.0, optimizer_s=opt)
+    # data-parallel communication (exposed part and overlap contention) lengthens each rank's iteration
+    extra = [x.total_s for x in comms]
     if any(extra):
         ends = tuple(e + x for e, x in zip(sim.rank_end_s, extra))
-        exposed = tuple(e + x for e, x in zip(sim.exposed_sync_s, extra))
+        exposed = tuple(e + x.exposed_s for e, x in zip(sim.exposed_sync_s, comms))
         sim = replace(sim, rank_end_s=ends, exposed_sync_s=exposed, iteration_s=max(ends) + opt)
-    return sim, rcs, mems, [x * c.num_microbatches for x in tp_comm]
+    return sim, rcs, mems, [x * c.num_microbatches for x in tp_comm], comms
 
 
 def build_plan(graph: Graph, profile: ClusterProfile, options: PlanOptions, s: Screened, table: LayerTable,
@@ -175,12 +174,17 @@ def build_plan(graph: Graph, profile: ClusterProfile, options: PlanOptions, s: S
         got = evaluate_stages(table, s, cost, options, chunks, p2p_intra)
     if got is None:
         return None
-    sim, rcs, mems, tp_comm = got
+    sim, rcs, mems, tp_comm, comms = got
     crit = max(range(c.pp), key=lambda r: sim.busy_s[r])
     busy = sim.busy_s[crit]
-    exposed = tp_comm[crit] + (max(sim.rank_end_s) - sim.pipeline_s)
+    last = max(range(c.pp), key=lambda r: sim.rank_end_s[r])
+    tail = max(sim.rank_end_s) - sim.pipeline_s
+    contention = min(comms[last].contention_s, tail)
+    exposed = tp_comm[crit] + tail - contention
     tb = TimeBreakdown(compute=busy - tp_comm[crit], exposed_comm=exposed, bubble=sim.bubble_s,
-                       optimizer=sim.optimizer_s)
+                       optimizer=sim.optimizer_s, contention=contention,
+                       dp_exposed=min(comms[last].exposed_s, tail - contention),
+                       dp_collectives=max(x.collective_s for x in comms))
     stages = []
     for k, (a, b) in enumerate(chunks):
         names = tuple("<prefix>" if g.role == "prefix" else "<suffix>" if g.role == "suffix" else
@@ -206,6 +210,7 @@ def build_plan(graph: Graph, profile: ClusterProfile, options: PlanOptions, s: S
         micro_batch=c.micro_batch, num_microbatches=c.num_microbatches,
         mesh=MeshPlan(pp=c.pp, dp=c.dp, tp=c.tp),
         schedule=c.schedule, virtual_stages=c.virtual_stages, zero=c.zero, dtype=options.dtype,  # type: ignore
+        reduce_dtype=options.reduce_dtype,
         stages=tuple(stages), param_shardings=param_patterns(graph, table),
         op_shardings=_op_shardings(graph, table), time=tb, samples_per_s=options.global_batch / total,
         tflops_per_device=tflops, mfu=tflops * 1e12 / peak, fused_kernels=options.fused_kernels,

@@ -2,16 +2,28 @@
 
 Pure functions of plain numbers. All results are bytes on one device.
 
-**Model state** (Rajbhandari et al., "ZeRO", SC'20, sec. 3.1): mixed-precision Adam keeps 2 bytes of half-precision
-parameters, 2 of half-precision gradients and 12 of fp32 optimizer state (master copy, momentum, variance) per
-parameter: 16 bytes. fp32 Adam: 4 + 4 + 8 (momentum, variance; the parameters are the master copy). SGD with
-momentum: mixed 2 + 2 + 8 (master, momentum), fp32 4 + 4 + 4. ZeRO-1 shards the optimizer state over the ``dp``
-ranks, ZeRO-2 also the gradients, ZeRO-3 (FSDP full sharding) also the parameters.
+**Model state: what the generated runtime holds** (:mod:`autopar.codegen.runtime`), not DeepSpeed's layout.
+Mixed precision there is bf16 autocast (ZeRO 0) or FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)`` (ZeRO >= 1)
+over **fp32 parameters and fp32 gradients**; Adam keeps fp32 momentum and variance.  Per parameter:
 
-**ZeRO-3 transient** (assumption, FSDP2's default behaviour): a sharded layer is all-gathered before its forward and
-backward, and the next one is prefetched, so two layers' full parameters are live at once; during its backward the
-layer's unsharded gradients exist until the reduce-scatter. We charge ``2 * P_layer + G_layer`` bytes of the largest
-layer (compute precision) under "other".
+- ZeRO 0: 4 (fp32 params) + 4 (fp32 grads) + 8 (Adam m, v) = 16 bytes, replicated.
+- ZeRO 3 (FSDP2, ``reshard_after_forward=True``): the same 16 bytes, all sharded over ``dp``: ``16 / dp``.
+- ZeRO 1 and 2: FSDP2 realizes both as full sharding without resharding after forward, so the unsharded
+  compute-precision parameters (2 bytes, bf16) stay live from a unit's forward to its backward: ``2 + 16 / dp``.
+  Gradients are sharded in both (so ZeRO-1 costs what ZeRO-2 does).  DeepSpeed's estimator charges ZeRO-2 at
+  ``4 + 16 / dp`` (fp16 parameters and a full fp16 gradient buffer replicated, fp32 master + m + v + fp32 gradient
+  partition sharded), 20 bytes at dp = 1 against 18 here; the runtime here holds no replicated gradient buffer.
+
+fp32 training: params 4, grads 4, Adam 8 (ZeRO 1/2 keep a 4-byte unsharded copy).  SGD with momentum: 4 for the
+optimizer instead of 8.  Model-state bytes are reported as (params, grads, optimizer); the unsharded copy of ZeRO
+1/2 counts as params.
+
+**ZeRO-3 transient** (FSDP2's default behaviour): a sharded unit is all-gathered before its forward and backward,
+and the next one is prefetched, so two units' unsharded parameters (compute precision) are live at once; during its
+backward the unit's unsharded gradients (compute precision) exist until the reduce-scatter, which runs on a copy in
+the reduce dtype when that differs (fp32 reduce of bf16 gradients: 4 more bytes per element).  We charge
+``2 * P_layer * w + P_layer * (w + r)`` bytes of the largest layer (``w`` compute width, ``r`` the reduce copy,
+0 when the reduce dtype is the compute dtype) under "other".
 
 **Activations.** Bytes saved per micro-batch for a stage's layers (given by the caller for the stage's recompute
 mode) times the micro-batches in flight on that stage under the schedule (from
@@ -49,13 +61,8 @@ log = logging.getLogger(__name__)
 
 GiB = float(2**30)
 Optimizer = Literal["adam", "sgd"]
-# bytes per parameter: (params, grads, optimizer state); ZeRO paper sec. 3.1
-_STATE_BYTES: dict[tuple[bool, str], tuple[int, int, int]] = {
-    (True, "adam"): (2, 2, 12),
-    (False, "adam"): (4, 4, 8),
-    (True, "sgd"): (2, 2, 8),
-    (False, "sgd"): (4, 4, 4),
-}
+# bytes per parameter held sharded by ZeRO >= 1 (or replicated at ZeRO 0): fp32 params, fp32 grads, optimizer state
+_STATE_BYTES: dict[str, tuple[int, int, int]] = {"adam": (4, 4, 8), "sgd": (4, 4, 4)}
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -89,20 +96,23 @@ def model_state_bytes(param_elems: float, *, zero: int, dp: int, mixed_precision
         raise ValueError(f"param_elems must be >= 0, got {param_elems}")
     if optimizer not in ("adam", "sgd"):
         raise ValueError(f"optimizer must be 'adam' or 'sgd', got {optimizer!r}")
-    bp, bg, bo = _STATE_BYTES[(mixed_precision, optimizer)]
-    params = param_elems * bp / (dp if zero >= 3 else 1)
-    grads = param_elems * bg / (dp if zero >= 2 else 1)
-    opt = param_elems * bo / (dp if zero >= 1 else 1)
-    return params, grads, opt
+    bp, bg, bo = _STATE_BYTES[optimizer]
+    shard = dp if zero >= 1 else 1
+    params = param_elems * bp / shard
+    if zero in (1, 2) and dp > 1:  # FSDP2 without resharding after forward: the unsharded copy stays live
+        params += param_elems * (2 if mixed_precision else 4)
+    return params, param_elems * bg / shard, param_elems * bo / shard
 
 
-def zero3_transient_bytes(largest_layer_elems: float, *, zero: int, dp: int, mixed_precision: bool) -> float:
-    """Gathered copies under ZeRO-3: ``2 * P_layer + G_layer`` of the largest layer (0 below ZeRO-3 or dp=1)."""
+def zero3_transient_bytes(largest_layer_elems: float, *, zero: int, dp: int, mixed_precision: bool,
+                          reduce_bytes: int = 4) -> float:
+    """Gathered copies under ZeRO-3: two units' parameters, one unit's gradients and its reduce-dtype copy, of the
+    largest layer (0 below ZeRO-3 or dp=1); see the module docstring."""
     _check_zero(zero, dp)
     if zero < 3 or dp == 1:
         return 0.0
     width = 2 if mixed_precision else 4
-    return largest_layer_elems * width * 3
+    return largest_layer_elems * (3 * width + (reduce_bytes if reduce_bytes != width else 0))
 
 
 def in_flight_microbatches(schedule: Schedule, *, pp: int, num_microbatches: int,

@@ -10,7 +10,7 @@ elements per device: a :class:`LayerTable`.  Screening then costs a candidate in
 * pipeline time (Narayanan et al. SC'21): ``(m - 1) * R + sum_k (f_k + b_k)`` for GPipe/1F1B and
   ``m * R + (pp - 1) * R / v`` for interleaved 1F1B, ``R`` the busiest rank's time per micro-batch, plus
   ``2 (K - 1)`` activation transfers on the fill/drain critical path;
-* data-parallel sync overlapped with the last micro-batch's backward; ZeRO-3 re-gathers parameters every micro-batch;
+* data-parallel communication per FSDP unit, overlapped with compute (:mod:`autopar.planner.inter_op.dpcomm`);
 * memory per rank from :mod:`autopar.planner.inter_op.memory` with the schedule's in-flight micro-batches.
 
 The best screened candidates are then evaluated exactly (:mod:`autopar.planner.inter_op.evaluate`): memory-aware
@@ -21,17 +21,19 @@ simulation (:mod:`autopar.planner.inter_op.schedule`).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
 from autopar.ir.graph import DTYPE_BYTES, Graph, LayerGroup
+from autopar.planner.inter_op.dpcomm import DpComm, dp_comm
 from autopar.planner.inter_op.memory import GiB, MemoryReserve, in_flight_microbatches, memory_breakdown
 from autopar.planner.inter_op.partition import minmax_partition, rank_chunks
 from autopar.planner.intra_op.solve import GroupSolution
 from autopar.profiles.cost import CostModel
 
 __all__ = ["LayerTable", "Candidate", "Screened", "layer_table", "screen", "ADAM_STEP_BYTES", "group_placements",
-           "in_flight", "reserve_for", "ScreenMemo", "block_paths", "dp_sync_time", "zero3_gather_exposed", "divisors"]
+           "in_flight", "reserve_for", "ScreenMemo", "block_paths", "dp_time", "divisors"]
 
 ADAM_STEP_BYTES = 28.0
 """Bytes an Adam step moves per parameter: fp32 master, m and v read+written (24) + gradient read + param write."""
@@ -52,6 +54,8 @@ class LayerTable:
     out_bytes: tuple[float, ...]
     shared_params: float
     """Local elements of parameters read by both the first and the last group (tied embeddings)."""
+    tensors: tuple[int, ...]
+    """Parameter tensors per group (the collectives of a per-tensor data-parallel implementation)."""
     solutions: tuple[GroupSolution, ...]
     gap: float
     status: str
@@ -136,6 +140,8 @@ def layer_table(graph: Graph, sols: tuple[GroupSolution, ...], tp: int, micro_ba
              "full": tuple(s.act_bytes_full for s in sols)},
         act_none=tuple(s.act_bytes_none for s in sols),
         params=params, out_bytes=tuple(s.out_bytes for s in sols), shared_params=shared,
+        tensors=tuple(sum(1 for n in g.params if (i := graph.param_map.get(n)) is not None and i.kind == "param")
+                      for g in graph.layers),
         solutions=sols, gap=max(gaps) if gaps else 0.0, status=status,
         solve_s=sum(s.wall_s for s in sols))
 
@@ -177,24 +183,18 @@ def reserve_for(cost: CostModel) -> MemoryReserve:
     return MemoryReserve()
 
 
-def dp_sync_time(cost: CostModel, grad_bytes: float, dp: int, tp: int, zero: int) -> float:
-    """Gradient sync per iteration: all-reduce (ZeRO 0) or reduce-scatter + parameter all-gather (ZeRO 1-3)."""
-    if dp == 1:
-        return 0.0
-    span = cost.span(dp, tp)
-    if zero == 0:
-        return cost.collective_time("all_reduce", grad_bytes, span=span)
-    return cost.collective_time("reduce_scatter", grad_bytes, span=span) + \
-        cost.collective_time("all_gather", grad_bytes, span=span)
-
-
-def zero3_gather_exposed(cost: CostModel, param_bytes: float, dp: int, tp: int, m: int, rank_time: float) -> float:
-    """ZeRO-3 re-gathers a rank's parameters for the forward and again for the backward of every micro-batch,
-    prefetched under that micro-batch's compute: ``m * max(0, 2 * all_gather - compute per micro-batch)``."""
-    if dp == 1:
-        return 0.0
-    per_mb = 2 * cost.collective_time("all_gather", param_bytes, span=cost.span(dp, tp))
-    return max(0.0, per_mb - rank_time) * m
+def dp_time(cost: CostModel, *, params: float, units: int, fwd_s: float, bwd_s: float, m: int, dp: int, tp: int,
+            zero: int, dtype: str, reduce_dtype: str, overlap: bool, memo: "ScreenMemo | None" = None,
+            tensors: int = 0, recompute: str = "none") -> DpComm:
+    """Data-parallel communication of one rank per iteration (:func:`autopar.planner.inter_op.dpcomm.dp_comm`),
+    the one formula screening and exact evaluation share; ``memo`` memoizes its collective times.  ``tensors``:
+    the rank's parameter tensors for a per-tensor implementation (``PlanOptions.dp_collectives == "tensor"``, which
+    also re-gathers for a full recompute), 0 for FSDP2's one collective per unit."""
+    coll = None if memo is None else memo.collectives(cost, dp, tp)
+    return dp_comm(cost, params=params, units=units, fwd_s=fwd_s, bwd_s=bwd_s, num_microbatches=m, dp=dp, tp=tp,
+                   zero=zero, param_item=DTYPE_BYTES.get(dtype, 4), reduce_item=DTYPE_BYTES.get(reduce_dtype, 4),
+                   overlap=overlap, coll=coll, per_unit=tensors / units if tensors else 1.0,
+                   recompute_regather=bool(tensors) and recompute == "full")
 
 
 class ScreenMemo:
@@ -223,10 +223,14 @@ class ScreenMemo:
             t = self._coll[key] = cost.collective_time(kind, nbytes, span=cost.span(dp, tp))
         return t
 
+    def collectives(self, cost: CostModel, dp: int, tp: int) -> Callable[[str, float], float]:
+        """``(kind, nbytes) -> s`` on the dp group of ``(dp, tp)``, memoized (for :func:`dp_time`)."""
+        return lambda kind, nbytes: self.collective(cost, kind, nbytes, dp, tp)
+
     def ranks(self, table: LayerTable, rc: str, pp: int, v: int, cost: CostModel, p2p_intra: bool
               ) -> tuple[list[tuple[int, int]], float, float, tuple[tuple[float, ...], ...]] | None:
         """``(chunks, sum of times, p2p, per rank (time, params, act sum, full-recompute extra, largest layer,
-        backward))`` or None when ``pp * v`` exceeds the groups."""
+        forward, layer groups, parameter tensors))`` or None when ``pp * v`` exceeds the groups."""
         memo = self._of(table)
         key = (rc, pp, v, p2p_intra)
         if key in memo:
@@ -251,15 +255,18 @@ class ScreenMemo:
             acts = sum(sum(act[a:b]) for a, b in mine)
             extra = max(max(table.act_none[a:b]) for a, b in mine) if rc == "full" else 0.0
             largest = max(max(table.params[a:b]) for a, b in mine)
-            bwd_last = sum(sum(table.bwd[a:b]) for a, b in mine)
-            per_rank.append((t, params, acts, extra, largest, bwd_last))
+            fwd = sum(sum(table.fwd[a:b]) for a, b in mine)
+            units = sum(b - a for a, b in mine)
+            tensors = sum(sum(table.tensors[a:b]) for a, b in mine)
+            per_rank.append((t, params, acts, extra, largest, fwd, units, tensors))
         out = (chunks, sum(times), p2p, tuple(per_rank))
         memo[key] = out
         return out
 
 
 def screen(cand: Candidate, table: LayerTable, cost: CostModel, *, dtype: str, capacity: float,
-           p2p_intra: bool, overlap_grad_sync: bool = True, memo: ScreenMemo | None = None) -> Screened | None:
+           p2p_intra: bool, overlap_grad_sync: bool = True, memo: ScreenMemo | None = None,
+           reduce_dtype: str = "float32", dp_collectives: str = "unit") -> Screened | None:
     """Closed-form time and memory of a candidate (see the module docstring); None if it cannot be built.
 
     Pass one ``memo`` to every call of a search to skip recomputing what does not depend on the candidate."""
@@ -270,7 +277,6 @@ def screen(cand: Candidate, table: LayerTable, cost: CostModel, *, dtype: str, c
     if got is None:
         return None
     chunks, sum_times, p2p, ranks = got
-    item = DTYPE_BYTES.get(dtype, 4)
     mixed = dtype != "float32"
     worst_end, peak = 0.0, 0.0
     flights = in_flight(cand.schedule, pp, m, v)
@@ -278,7 +284,7 @@ def screen(cand: Candidate, table: LayerTable, cost: CostModel, *, dtype: str, c
     full = cand.recompute == "full"
     dp, tp, zero = cand.dp, cand.tp, cand.zero
     bandwidth = cost.profile.device.memory_bandwidth
-    for r, (t, params, acts, extra, largest, bwd_last) in enumerate(ranks):
+    for r, (t, params, acts, extra, largest, fwd, units, tensors) in enumerate(ranks):
         acts = acts * flights[r]
         if full:
             acts += extra
@@ -286,19 +292,11 @@ def screen(cand: Candidate, table: LayerTable, cost: CostModel, *, dtype: str, c
                                activations=acts, capacity=capacity, largest_layer_elems=largest,
                                reserve=reserve).total
         peak = max(peak, mem)
-        if dp == 1:
-            sync = 0.0
-        elif zero == 0:
-            sync = memo.collective(cost, "all_reduce", params * item, dp, tp)
-        else:
-            sync = memo.collective(cost, "reduce_scatter", params * item, dp, tp) + \
-                memo.collective(cost, "all_gather", params * item, dp, tp)
-        exposed = max(0.0, sync - bwd_last) if overlap_grad_sync else sync
-        if zero == 3 and dp != 1:
-            per_mb = 2 * memo.collective(cost, "all_gather", params * item, dp, tp)
-            exposed += max(0.0, per_mb - t) * m
+        comm = dp_time(cost, params=params, units=units, fwd_s=fwd, bwd_s=t - fwd, m=m, dp=dp, tp=tp, zero=zero,
+                       dtype=dtype, reduce_dtype=reduce_dtype, overlap=overlap_grad_sync, memo=memo,
+                       tensors=tensors if dp_collectives == "tensor" else 0, recompute=cand.recompute)
         opt = params * ADAM_STEP_BYTES / (dp if zero >= 1 else 1) / bandwidth
-        worst_end = max(worst_end, exposed + opt)
+        worst_end = max(worst_end, comm.total_s + opt)
     busiest = max(r[0] for r in ranks)
     if cand.schedule == "interleaved_1f1b":
         pipe = m * busiest + (pp - 1) * busiest / v

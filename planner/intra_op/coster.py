@@ -96,16 +96,21 @@ class _Coster:
         if kind in ("view", "input") or not node.outputs:
             return 0.0, 0.0
         f, nb = strat.frac, self.node_bytes(node)
-        fwd = self.cost.op_time(node.flops_fwd * self.scale * f, nb * f, self.dtype, kind)
+        seq, work = None, 1.0
+        if kind == "attention" and dict(node.attrs).get("is_causal") and node.out is not None and node.out.shape:
+            # a causal flash kernel skips the masked half of the scores: half the counted FLOPs, at the kernel's own
+            # sequence-length-dependent rate (profiles.cost, "Causal flash attention")
+            kind, work, seq = "causal_attention", 0.5, int(node.out.shape[-2])
+        fwd = self.cost.op_time(node.flops_fwd * self.scale * f * work, nb * f, self.dtype, kind, seq)
         has_grad = any(m is not None and m.dtype in FLOAT_DTYPES
                        for m in (self.graph.input_meta(node, i) for i in range(len(node.inputs))))
         if not has_grad or node.kind == "creation":
             return fwd, 0.0
-        if kind in ("matmul", "attention", "conv"):
+        if kind in ("matmul", "attention", "causal_attention", "conv"):
             # one kernel per gradient (input and weight), each the forward's size: the efficiency is that of a
             # forward-sized problem, not of one problem of the summed FLOPs
             bratio = min(2.0, max(1.0, node.flops_bwd / node.flops_fwd)) if node.flops_fwd > 0 else 1.0
-            one = self.cost.op_time(node.flops_bwd * self.scale * f / bratio, nb * f, self.dtype, kind)
+            one = self.cost.op_time(node.flops_bwd * self.scale * f * work / bratio, nb * f, self.dtype, kind, seq)
             return fwd, one * bratio
         # backward reads the output gradient, writes the input gradients, and re-reads what was saved
         if node.name not in self._saved:  # the same for every strategy of the node

@@ -63,3 +63,36 @@ def test_table5_iteration_time_within_20_percent(case_id: str, recompute: str) -
     assert p.virtual_stages == case["virtual_stages"]
     assert all(s.recompute == recompute for s in p.stages)
     assert 0.8 <= row.ratio <= 1.2, f"measured/predicted = {row.ratio:.2f}"
+
+
+# ---- sharded data parallelism at scale and H100 (issue 11; planner/published.py) -----------------------------------
+def _run(path: object, case_id: str) -> object:
+    from autopar.planner.published import check_run, load_runs
+
+    return check_run(next(c for c in load_runs(path) if c["id"] == case_id))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("gpus", [768, 1536])
+def test_sc21_zero3_runs_within_25_percent_and_ptdp_twice_as_fast(gpus: int) -> None:
+    """Held out: DeepSpeed ZeRO-3 of GPT-175B without model parallelism (SC'21 Table 2), pinned as published, lands
+    within 25% of the measured TFLOP/s; PTD-P on the same GPUs within 15%, and at 1536 GPUs at least 2x ZeRO-3."""
+    from autopar.planner.published import ZERO3_RUNS
+
+    z = _run(ZERO3_RUNS, f"sc21_t2_zero3_175B_{gpus}")
+    p = _run(ZERO3_RUNS, f"sc21_t2_ptdp_175B_{gpus}")
+    assert z.published_plan.zero == 3 and z.published_plan.mesh.dp == gpus  # type: ignore[attr-defined]
+    assert 0.75 <= z.ratio <= 1.25, f"ZeRO-3 predicted/measured = {z.ratio:.2f}"  # type: ignore[attr-defined]
+    assert 0.85 <= p.ratio <= 1.15, f"PTD-P predicted/measured = {p.ratio:.2f}"  # type: ignore[attr-defined]
+    if gpus == 1536:
+        assert p.predicted >= 2 * z.predicted  # type: ignore[attr-defined]
+
+
+def test_h100_sustained_fraction_is_the_fit_and_128_gpus_held_out() -> None:
+    """dgx-h100.yaml's sustained_fraction reproduces the one fit row (8 H100s) and predicts the held-out 128-GPU run
+    of the same model within 15%."""
+    from autopar.planner.published import TORCHTITAN_RUNS
+
+    fit = _run(TORCHTITAN_RUNS, "torchtitan_h100_llama31_8b_8")
+    assert fit.ratio == pytest.approx(1.0, abs=0.03)  # type: ignore[attr-defined]
+    held = _run(TORCHTITAN_RUNS, "torchtitan_h100_llama31_8b_128")
+    assert 0.85 <= held.ratio <= 1.15, f"predicted/measured = {held.ratio:.2f}"  # type: ignore[attr-defined]

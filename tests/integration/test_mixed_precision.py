@@ -1,4 +1,5 @@
-"""bfloat16 plans compute under autocast with fp32 parameters, gradients and optimizer state (2 gloo ranks)."""
+"""bfloat16 plans compute under autocast with fp32 parameters, gradients and optimizer state (2 gloo ranks); with
+FSDP2 (ZeRO 3) the gathers run in bf16 (MixedPrecisionPolicy from the plan) and the sharded state stays fp32."""
 
 from __future__ import annotations
 
@@ -14,12 +15,14 @@ from harness import make_plan, spawn
 
 pytestmark = pytest.mark.multiprocess  # every test here starts gloo ranks
 
-CASES = [("gpt-tiny", {"dp": 2, "micro_batch": 2}), ("llama-tiny", {"pp": 2, "micro_batch": 2, "num_microbatches": 2})]
+CASES = [("gpt-tiny", {"dp": 2, "micro_batch": 2}), ("llama-tiny", {"pp": 2, "micro_batch": 2, "num_microbatches": 2}),
+         ("gpt-tiny-z3", {"dp": 2, "micro_batch": 2, "zero": 3})]
 
 
 def _worker(rank: int, cases: list) -> dict:
     out = {}
-    for name, kw in cases:
+    for key, kw in cases:
+        name = key.removesuffix("-z3")
         spec = build(name, batch=4, device="cpu", seed=0)
         graph = ir.trace(build(name, batch=4, device="meta").model, spec.example_inputs, model_name=name)
         losses, dtypes = [], set()
@@ -28,7 +31,7 @@ def _worker(rank: int, cases: list) -> dict:
             losses.append(prog.step(spec.example_inputs, spec.example_target))
             dtypes |= {str(p.dtype) for p in prog.parameters()} | {str(p.grad.dtype) for p in prog.parameters()
                                                                    if p.grad is not None}
-        out[name] = (losses, dtypes)
+        out[key] = (losses, dtypes)
     return out
 
 

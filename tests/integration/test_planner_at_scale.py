@@ -81,3 +81,14 @@ def test_search_finds_the_brute_force_optimum() -> None:
                             totals.append(plan.time.total)
     assert len(totals) > 500
     assert best.time.total == pytest.approx(min(totals), rel=1e-9)
+
+
+def test_gpt3_175b_on_1024_a100s_is_a_megatron_style_plan() -> None:
+    """Issue 11: the pick for GPT-3 175B on 1024 A100s (global batch 1536) is what an expert would run: tensor
+    parallelism inside a node, pipeline parallelism across nodes, no parameter sharding across hundreds of ranks,
+    and a predicted MFU within reach of published runs (Megatron-LM: 45-52%), not far above."""
+    g = _graph("gpt3-175b")
+    p = search(g, load_builtin("dgx-a100-80gb", nodes=128), PlanOptions(global_batch=1536)).best
+    assert 4 <= p.mesh.tp <= 8 and p.mesh.pp >= 8
+    assert p.zero <= 1
+    assert p.mfu <= 0.62, f"MFU {p.mfu:.1%} is above anything published for this model on A100s"

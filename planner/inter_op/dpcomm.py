@@ -1,0 +1,124 @@
+"""Data-parallel communication of one pipeline rank, as FSDP2 / ZeRO and DDP issue it, and its overlap with compute.
+
+One formula for screening (:mod:`autopar.planner.inter_op.screen`, memoized collectives) and exact evaluation
+(:mod:`autopar.planner.inter_op.evaluate`), so both rank candidates the same way.
+
+**Units.** FSDP2 (``fully_shard`` per layer group, :mod:`autopar.codegen.runtime.data_parallel`) all-gathers and
+reduce-scatters one *unit* (layer group) at a time, not the whole model: a rank with ``n`` groups holding ``P``
+parameter elements issues ``n`` collectives of ``P / n`` elements each (equal units assumed).  Each collective pays
+the ring latency ``alpha * (g - 1)`` of its whole group (:meth:`autopar.profiles.cost.CostModel.collective_time`),
+so big groups with small per-rank shards become latency-bound (Thakur et al., "Optimization of Collective
+Communication Operations in MPICH", IJHPCA 2005; NCCL's own tuning model, ``src/graph/tuning.cc``).
+
+**Overlap** (prefetch depth 1, FSDP2's default: the next unit's all-gather is issued while the current unit
+computes).  A step where ``x`` seconds of compute overlap ``c`` seconds of communication takes
+``max(x + kappa * c, c)``: communication kernels take SMs and HBM bandwidth from the compute they overlap, which
+slows down by ``kappa`` seconds per second of overlapped communication (the overlap coefficient of Galvatron,
+Miao et al., VLDB 2023, sec. 4; ``DeviceProfile.overlap_slowdown``); a step longer than its compute is exposed
+communication.  The first unit's all-gather of a forward and the last unit's reduce-scatter of a backward have no
+compute to hide under.
+
+Per micro-batch (FSDP2 reshards after every backward and reduce-scatters every micro-batch):
+
+* forward, ZeRO >= 1: ``ag + (n - 1) * X(f, ag)`` extra, ``ag`` the unit all-gather (compute dtype), ``f = F / n``;
+* backward, ZeRO 3: ``ag + (n - 1) * X(b, ag + rs) + rs``: the backward re-gathers, and the next unit's gather and
+  the previous unit's reduce-scatter share the same links (their times add, *link sharing*);
+  ZeRO 1/2 (parameters kept gathered from forward to backward): ``(n - 1) * X(b, rs) + rs``;
+
+where ``X(x, c) = max(kappa * c, c - x)`` is the extra time of one overlapped step and ``rs`` is in the plan's
+reduce dtype.  ZeRO 0 (replicated parameters, DDP-style bucketed all-reduce during the last micro-batch's backward):
+``(n - 1) * X(b, ar) + ar`` once per iteration.  Without overlap (``overlap=False``, e.g. Megatron-LM 2021 or a
+runtime that syncs after the backward) every collective is exposed; ZeRO 0 then issues one flattened all-reduce.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from autopar.profiles.cost import CostModel
+
+__all__ = ["DpComm", "dp_comm", "overlap_step"]
+
+Collective = Callable[[str, float], float]
+"""``(kind, nbytes) -> seconds`` on the rank's data-parallel group."""
+
+
+@dataclass(frozen=True, slots=True)
+class DpComm:
+    """Data-parallel time of one rank per iteration, beyond its compute."""
+
+    exposed_s: float
+    """Collective time with no compute under it (first gathers, last reduce-scatters, comm-bound steps)."""
+    contention_s: float
+    """Compute time lost to overlapped communication (``kappa`` times the overlapped collective time)."""
+    collective_s: float
+    """Sum of all data-parallel collective times of the iteration (hidden or not), for reports."""
+
+    @property
+    def total_s(self) -> float:
+        return self.exposed_s + self.contention_s
+
+
+def overlap_step(x: float, c: float, kappa: float) -> tuple[float, float]:
+    """(exposed, contention) extra seconds of a step where ``x`` s of compute overlap ``c`` s of communication:
+    the step takes ``max(x + kappa * c, c)``."""
+    if c - x >= kappa * c:
+        return c - x, 0.0
+    return 0.0, kappa * c
+
+
+def _chain(x: float, c: float, steps: int, kappa: float) -> tuple[float, float]:
+    e, k = overlap_step(x, c, kappa)
+    return e * steps, k * steps
+
+
+def dp_comm(cost: CostModel, *, params: float, units: int, fwd_s: float, bwd_s: float, num_microbatches: int,
+            dp: int, tp: int, zero: int, param_item: float, reduce_item: float, overlap: bool = True,
+            coll: Collective | None = None, per_unit: float = 1.0, recompute_regather: bool = False) -> DpComm:
+    """Data-parallel communication cost of one rank per iteration (see the module docstring).
+
+    ``params``: parameter elements the rank holds before dp sharding; ``units``: its FSDP units (layer groups);
+    ``fwd_s``/``bwd_s``: its compute per micro-batch (backward including recomputation); ``param_item``/
+    ``reduce_item``: bytes per element gathered (compute dtype) and reduced (reduce dtype).  ``coll``: a memoized
+    ``(kind, nbytes) -> s`` on the dp group (default: ``cost.collective_time`` on ``cost.span(dp, tp)``).
+    ``per_unit``: collectives issued per unit and direction (1 for FSDP2's coalesced unit; the unit's parameter
+    tensors for per-tensor implementations: each pays its own latency, the bytes are the same);
+    ``recompute_regather``: ZeRO 3 gathers once more for the recomputed forward (implementations that release
+    parameters after every forward, recomputed ones included)."""
+    if dp <= 1 or params <= 0:
+        return DpComm(0.0, 0.0, 0.0)
+    if units < 1 or num_microbatches < 1:
+        raise ValueError(f"units and num_microbatches must be >= 1, got {units}, {num_microbatches}")
+    if coll is None:
+        span = cost.span(dp, tp)
+
+        def coll(kind: str, nbytes: float) -> float:
+            return cost.collective_time(kind, nbytes, span=span)
+
+    kappa = cost.profile.device.overlap_slowdown
+    n, m = units, num_microbatches
+    unit = params / n
+    f, b = fwd_s / n, bwd_s / n
+    if zero == 0:
+        if not overlap:
+            t = coll("all_reduce", params * reduce_item)
+            return DpComm(t, 0.0, t)
+        ar = coll("all_reduce", unit * reduce_item)
+        e, k = _chain(b, ar, n - 1, kappa)
+        return DpComm(e + ar, k, n * ar)
+    k = max(per_unit, 1.0)
+    ag = k * coll("all_gather", unit * param_item / k)
+    rs = k * coll("reduce_scatter", unit * reduce_item / k)
+    gathers = (3 if recompute_regather else 2) if zero == 3 else 1
+    per_mb = n * (gathers * ag + rs)
+    if not overlap:
+        return DpComm(m * per_mb, 0.0, m * per_mb)
+    ef, kf = _chain(f, ag, n - 1, kappa)
+    if zero == 3:
+        ab = (gathers - 1) * ag
+        eb, kb = _chain(b, ab + rs, n - 1, kappa)
+        eb += ab
+    else:
+        eb, kb = _chain(b, rs, n - 1, kappa)
+    return DpComm(m * (ag + ef + eb + rs), m * (kf + kb), m * per_mb)

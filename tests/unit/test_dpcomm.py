@@ -1,0 +1,137 @@
+"""Data-parallel collectives and their overlap (planner.inter_op.dpcomm), ring latency at scale, causal attention
+costing, and the FSDP2 mixed-precision policy the runtime takes from the plan."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from autopar.codegen.runtime import data_parallel as dpm
+from autopar.planner.inter_op.dpcomm import dp_comm, overlap_step
+from autopar.profiles.builtin import load_builtin
+from autopar.profiles.cost import RING_HOP_S, CostModel
+from autopar.profiles.schema import ProfileError, dump_profile, loads_profile
+
+
+def _cost(nodes: int = 64, kappa: float | None = None) -> CostModel:
+    prof = load_builtin("dgx-a100-80gb", nodes=nodes)
+    if kappa is not None:
+        prof = dataclasses.replace(prof, device=dataclasses.replace(prof.device, overlap_slowdown=kappa))
+    return CostModel(prof)
+
+
+def _z3(cost: CostModel, **kw: float) -> object:
+    args = dict(params=1e9, units=32, fwd_s=1.0, bwd_s=2.0, num_microbatches=1, dp=512, tp=1, zero=3,
+                param_item=2, reduce_item=4)
+    args.update(kw)
+    return dp_comm(cost, **args)  # type: ignore[arg-type]
+
+
+def test_per_unit_collectives_pay_latency_per_unit() -> None:
+    cost = _cost()
+    span = cost.span(512, 1)
+    few, many = _z3(cost, units=8), _z3(cost, units=64)
+    # the same bytes in more units: every unit pays the ring latency once more
+    ag = lambda n: n * cost.collective_time("all_gather", 1e9 * 2 / n, span=span)  # noqa: E731
+    rs = lambda n: n * cost.collective_time("reduce_scatter", 1e9 * 4 / n, span=span)  # noqa: E731
+    assert few.collective_s == pytest.approx(2 * ag(8) + rs(8))
+    assert many.collective_s == pytest.approx(2 * ag(64) + rs(64))
+    assert many.collective_s > few.collective_s
+    # with compute to hide under, only the first gather and the last reduce-scatter of a pass are exposed, and
+    # smaller units expose less of them
+    assert many.exposed_s < few.exposed_s
+    assert few.exposed_s == pytest.approx(2 * ag(8) / 8 + rs(8) / 8)
+
+
+def test_ring_latency_grows_with_ranks() -> None:
+    cost = _cost(nodes=512)
+    t = [cost.collective_time("all_gather", 1.0, span=cost.span(8 * m, 1)) for m in (64, 128, 256)]
+    assert t[1] - t[0] == pytest.approx(RING_HOP_S * 8 * 64, rel=1e-6)
+    assert t[2] - t[1] == pytest.approx(RING_HOP_S * 8 * 128, rel=1e-6)
+    # all-reduce (tree at scale) stays logarithmic
+    ar = [cost.collective_time("all_reduce", 1.0, span=cost.span(8 * m, 1)) for m in (64, 256)]
+    assert ar[1] - ar[0] < (t[2] - t[0]) / 10
+
+
+def test_overlap_slows_compute() -> None:
+    assert overlap_step(1.0, 0.5, 0.0) == (0.0, 0.0)
+    assert overlap_step(1.0, 0.5, 0.2) == (0.0, pytest.approx(0.1))
+    assert overlap_step(1.0, 3.0, 0.2) == (pytest.approx(2.0), 0.0)  # comm-bound: the step is the collective
+    free, slowed = _z3(_cost(kappa=0.0)), _z3(_cost(kappa=0.3))
+    assert free.contention_s == 0.0 and slowed.contention_s > 0.0
+    assert slowed.exposed_s == pytest.approx(free.exposed_s)
+    hidden = slowed.collective_s - slowed.exposed_s
+    assert slowed.contention_s == pytest.approx(0.3 * hidden, rel=1e-6)
+
+
+def test_link_sharing_in_backward() -> None:
+    cost = _cost(kappa=0.0)
+    span = cost.span(512, 1)
+    n = 32
+    ag = cost.collective_time("all_gather", 1e9 * 2 / n, span=span)
+    rs = cost.collective_time("reduce_scatter", 1e9 * 4 / n, span=span)
+    b = (max(ag, rs) + ag + rs) / 2 * n  # per-unit backward longer than either collective, shorter than both
+    got = _z3(cost, fwd_s=10.0, bwd_s=b)
+    per_unit = b / n
+    expected = ag + rs + ag + (n - 1) * (ag + rs - per_unit)  # first fwd gather, first bwd gather, last RS, steps
+    assert got.exposed_s == pytest.approx(expected)
+
+
+def test_no_overlap_and_ddp() -> None:
+    cost = _cost()
+    serial = _z3(cost, overlap=False)
+    assert serial.exposed_s == pytest.approx(serial.collective_s) and serial.contention_s == 0.0
+    flat = dp_comm(cost, params=1e9, units=32, fwd_s=1.0, bwd_s=2.0, num_microbatches=4, dp=512, tp=1, zero=0,
+                   param_item=2, reduce_item=2, overlap=False)
+    assert flat.exposed_s == pytest.approx(cost.collective_time("all_reduce", 2e9, span=cost.span(512, 1)))
+    bucketed = dp_comm(cost, params=1e9, units=32, fwd_s=1.0, bwd_s=2.0, num_microbatches=4, dp=512, tp=1,
+                       zero=0, param_item=2, reduce_item=2)
+    assert bucketed.exposed_s < flat.exposed_s  # only the last bucket's all-reduce is exposed
+    assert dp_comm(cost, params=1e9, units=4, fwd_s=1.0, bwd_s=2.0, num_microbatches=1, dp=1, tp=1, zero=3,
+                   param_item=2, reduce_item=4).total_s == 0.0
+
+
+def test_per_tensor_collectives_and_regather() -> None:
+    cost = _cost()
+    unit = _z3(cost, overlap=False)
+    per_tensor = _z3(cost, overlap=False, per_unit=12.0)
+    regather = _z3(cost, overlap=False, per_unit=12.0, recompute_regather=True)
+    assert per_tensor.collective_s > unit.collective_s  # 12 latencies per unit instead of one
+    assert regather.collective_s > per_tensor.collective_s  # a third all-gather for the recomputed forward
+
+
+def test_causal_attention_uses_its_curve() -> None:
+    cost = CostModel(load_builtin("dgx-h100"))
+    flops = 1e12
+    short, long = (cost.op_time(flops, 0.0, "bfloat16", "causal_attention", seq) for seq in (1024, 8192))
+    assert short > long  # longer sequences run the kernel closer to peak
+    dev = cost.profile.device
+    assert long == pytest.approx(flops / (dev.peak_flops["bfloat16"] * 0.33) / dev.sustained_fraction
+                                 + dev.launch_overhead_s)
+
+
+def test_profile_overlap_slowdown_validated() -> None:
+    prof = load_builtin("dgx-a100-80gb")
+    text = dump_profile(prof)
+    assert loads_profile(text).device == prof.device  # round trip keeps the new fields
+    with pytest.raises(ProfileError, match="overlap_slowdown"):
+        loads_profile(text.replace("overlap_slowdown: 0.19", "overlap_slowdown: 1.5"))
+
+
+def test_mixed_precision_policy_from_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    pol = dpm.mp_policy("bfloat16", "float32")
+    assert pol.param_dtype == torch.bfloat16 and pol.reduce_dtype == torch.float32
+    assert dpm.mp_policy("float32").param_dtype is None
+    assert dpm.mp_policy("bfloat16", "bfloat16").reduce_dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype"):
+        dpm.mp_policy("int8")
+    calls = []
+    monkeypatch.setattr(dpm, "fully_shard", lambda mod, **kw: calls.append((mod, kw)))
+    blocks = [nn.Linear(2, 2), nn.Linear(2, 2)]
+    stage = nn.Sequential(*blocks)
+    dpm.apply_fsdp([stage], [blocks], None, 3, policy=pol)  # type: ignore[arg-type]
+    assert [m for m, _ in calls] == [*blocks, stage]
+    assert all(kw["mp_policy"] is pol and kw["reshard_after_forward"] for _, kw in calls)
