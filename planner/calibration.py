@@ -86,9 +86,11 @@ def _pinned(graph: ir.Graph, profile: ClusterProfile, *, tp: int, pp: int, dp: i
     v = virtual_stages
     pins = {"tp": tp, "pp": pp, "dp": dp, "micro_batch": micro_batch, "recompute": recompute, "zero": 0,
             "schedule": "interleaved_1f1b" if v > 1 else "1f1b", "virtual_stages": v}
-    # Megatron-LM (2021-22) all-reduced gradients after the backward pass, without overlap
+    # Megatron-LM (2021-22) all-reduced gradients after the backward pass, without overlap, and in fp16 for fp16
+    # training (its fp32 gradient accumulation/all-reduce was the bf16 default, off for fp16)
     opts = PlanOptions(global_batch=global_batch, pins=pins, dtype=dtype, top_k=0,  # type: ignore[arg-type]
-                       intra_op_time_limit_s=time_limit_s, overlap_grad_sync=False)
+                       intra_op_time_limit_s=time_limit_s, overlap_grad_sync=False,
+                       reduce_dtype=dtype)  # type: ignore[arg-type]
     published = search(graph, profile, opts).best
     free = None
     if search_free:
