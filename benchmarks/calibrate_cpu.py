@@ -4,16 +4,17 @@
                                        [--profile2 p2.yaml] [--profile4 p4.yaml] [--rounds 2] [--out DIR]
 
 1. Base profiles of this machine with 2 and 4 ranks (``autopar profile --quick``, or ``--profile2/--profile4``).
-2. Fit: the planner's pure-DP (``pp=1 dp=2 tp=1 zero=0``) and pure-TP (``tp=2``) plans of ``--fit-model`` on 2 ranks
-   run under ``autopar calibrate``'s attribution (:func:`autopar.planner.calibrate.measure_plan`); the factors are
-   fitted to them (:func:`autopar.planner.calibrate.calibrate_loop`: a plan the fit makes the planner shard differently is
-   re-planned, run and fitted again).  The 2-rank fitted profile is the base with the
-   factors; the 4-rank one is the 4-rank base with the same factors (``autopar calibrate --apply``).
+2. Fit: the planner's pure-DP (``pp=1 dp=2 tp=1 zero=0``, global batch 4 and 16) and pure-TP (``tp=2``, batch 8)
+   plans of ``--fit-model`` on 2 ranks run under ``autopar calibrate``'s attribution
+   (:func:`autopar.planner.calibrate.measure_plan`) and the factors are fitted to them
+   (:func:`autopar.planner.calibrate.calibrate_loop`: a plan whose shardings the fit changes is re-planned, run and
+   fitted again).  The 2-rank fitted profile is the 2-rank base with the factors; the 4-rank one is the 4-rank base
+   with the same factors (what ``autopar calibrate --apply`` does).
 3. Held out (never fitted on): for every ``--models`` model, the plans the planner makes with the fitted profile
    under the pins ``pp=2`` (2 ranks), ``pp=1 dp=2 tp=2`` and ``pp=2 dp=2 tp=1`` (4 ranks), run and measured the same way.
 
 Prints, per plan, the prediction of the base profile and of the fitted one against the measured step time
-(measured / predicted; the target is within 20%, i.e. 0.83-1.20), each plan's fastest of ``--rounds`` interleaved
+(measured / predicted; the target is within 20%, i.e. 0.8-1.2), each plan's fastest of ``--rounds`` interleaved
 runs, and the benchmark's CPU seconds (this process and its children) beside its wall seconds.
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import sys
 import tempfile
@@ -37,7 +39,10 @@ from autopar.profiles.refit import apply_factors, provenance
 from autopar.profiles.schema import ClusterProfile, load_profile, save_profile
 from autopar.zoo import build
 
-FIT = {"dp=2": {"pp": 1, "dp": 2, "tp": 1, "zero": 0}, "tp=2": {"pp": 1, "dp": 1, "tp": 2}}
+_DP2, _TP2 = {"pp": 1, "dp": 2, "tp": 1, "zero": 0}, {"pp": 1, "dp": 1, "tp": 2}
+FIT = {"dp=2 b4": (4, _DP2), "dp=2 b16": (16, _DP2), "tp=2 b8": (8, _TP2)}
+"""Fit runs: (global batch, pins).  Two batch sizes of the dp=2 plan separate the per-op overhead (the same at any
+batch) from the arithmetic (proportional to it); the held-out plans run at ``--batch``."""
 HELD_OUT = {"pp=2": (2, {"pp": 2, "dp": 1, "tp": 1}), "dp=2 x tp=2": (4, {"pp": 1, "dp": 2, "tp": 2}),
             "pp=2 x dp=2": (4, {"pp": 2, "dp": 2, "tp": 1})}
 
@@ -53,7 +58,9 @@ def base_profile(path: str | None, ranks: int, out: Path) -> ClusterProfile:
         if prof.world_size != ranks:
             raise ValueError(f"{path} has {prof.world_size} ranks, expected {ranks}")
         return prof
-    return run_profile_command(out / f"base{ranks}.yaml", ranks, quick=True, progress=False)
+    # the workers compute with OMP_NUM_THREADS threads (run_plan's default: 1), so the profile measures with as many
+    return run_profile_command(out / f"base{ranks}.yaml", ranks, quick=True, progress=False,
+                               threads_per_rank=int(os.environ.get("OMP_NUM_THREADS", "1")))
 
 
 def graph_of(model: str, seq: int | None) -> ir.Graph:
@@ -111,10 +118,10 @@ def main() -> int:
     base = {2: base_profile(args.profile2, 2, out), 4: base_profile(args.profile4, 4, out)}
     graphs = {m: graph_of(m, args.seq) for m in dict.fromkeys([args.fit_model, *args.models])}
 
-    fit_plans = {k: make_plan(graphs[args.fit_model], base[2], args.batch, pins) for k, pins in FIT.items()}
+    fit_plans = {k: make_plan(graphs[args.fit_model], base[2], b, pins) for k, (b, pins) in FIT.items()}
     paths = {}
     for k, p in fit_plans.items():
-        paths[k] = (out / f"fit-{args.fit_model}-{k.replace('=', '')}.yaml", args.fit_model)
+        paths[k] = (out / f"fit-{args.fit_model}-{k.replace('=', '').replace(' ', '-')}.yaml", args.fit_model)
         ir.dump_plan(p, paths[k][0])
     fit_meas = measure_rounds(paths, args)
     runs = [(fit_plans[k], plan_graph(fit_plans[k], args.fit_model, args.seq), fit_meas[k]) for k in FIT]

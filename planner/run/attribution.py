@@ -5,7 +5,8 @@ The worker (:mod:`autopar.planner.run.worker`) calls :func:`profile_step` after 
 ``torch.profiler`` (CPU activity; CUDA too where available) and writes ``rank<R>.json`` under ``DIR``, from the
 environment variables ``AUTOPAR_CALIBRATE_DIR``, ``AUTOPAR_CALIBRATE_START`` and ``AUTOPAR_CALIBRATE_STOP``.
 
-:func:`attribute` splits the profiled window of the rank's main (training) thread into
+:func:`attribute` splits the profiled window of the rank's host threads (the training loop, and autograd's device
+thread on CUDA) into
 
 - ``comm``: collectives (``c10d::*`` and functional collectives, DTensor's included), outermost calls;
 - ``p2p``: pipeline sends and receives (``c10d::send``/``recv``), which hold the transfer *and* the pipeline bubble
@@ -22,8 +23,8 @@ waits (collectives and synchronizations block the host), so the same split appli
 from __future__ import annotations
 
 import json
+import math
 import os
-from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -54,48 +55,59 @@ def category(name: str) -> str | None:
     return None
 
 
+def _union(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by ``intervals`` (overlaps counted once)."""
+    total, end = 0.0, -math.inf
+    for lo, hi in sorted(intervals):
+        if hi > end:
+            total += hi - max(lo, end)
+            end = hi
+    return total
+
+
 def attribute(events: Iterable[tuple[str, float, float, int | None]], window_s: float, steps: int) -> dict[str, float]:
     """Seconds per step in each of :data:`CATEGORIES` (plus ``matmul`` within ``compute`` and ``step``).
 
-    ``events``: ``(name, start_s, end_s, parent_index)`` of one thread, ``parent_index`` indexing the same list (None
-    for a top-level event).  Each event counts in the category of its outermost categorised ancestor-or-self, so a
-    collective inside DTensor's redistribution counts as communication and a matmul inside it does not count twice.
+    ``events``: ``(name, start_s, end_s, parent_index)``, ``parent_index`` indexing the same list (None for a
+    top-level event); several threads may be concatenated (on CUDA autograd runs the backward on a thread of its
+    own).  Each event counts in the category of its outermost categorised ancestor-or-self, so a collective inside
+    DTensor's redistribution counts as communication and a matmul inside it does not count twice; the time a
+    category covers is the union of its events' intervals, so concurrent threads do not count it twice either.
     """
     if steps < 1 or window_s <= 0:
         raise ValueError(f"need steps >= 1 and a positive window, got steps={steps}, window_s={window_s}")
-    evs = list(events)
     cats: list[str | None] = []
-    tot: Counter[str] = Counter()
-    for name, start, end, parent in evs:
+    spans: dict[str, list[tuple[float, float]]] = {c: [] for c in ("comm", "p2p", "idle", "optimizer", "matmul")}
+    for name, start, end, parent in events:
         if parent is not None and not 0 <= parent < len(cats):
             raise ValueError(f"event {name!r}: parent {parent} must come earlier in the list")
         inherited = cats[parent] if parent is not None else None
         own = category(name)
         cats.append(inherited or own)
-        if own is not None and inherited is None:
-            tot[own] += max(0.0, end - start)
-    out = {c: tot[c] / steps for c in ("comm", "p2p", "idle", "optimizer", "matmul")}
+        if own is not None and inherited is None and end > start:
+            spans[own].append((start, end))
+    out = {c: _union(v) / steps for c, v in spans.items()}
     out["step"] = window_s / steps
     out["compute"] = max(0.0, out["step"] - out["comm"] - out["p2p"] - out["idle"] - out["optimizer"])
     return out
 
 
-def _main_thread_events(prof: Any) -> list[tuple[str, float, float, int | None]]:
-    """``(name, start_s, end_s, parent_index)`` of the thread with the most events (the training loop), in start
-    order, parents first."""
+def _cpu_thread_events(prof: Any) -> list[tuple[str, float, float, int | None]]:
+    """``(name, start_s, end_s, parent_index)`` of every host thread's events, thread by thread in start order,
+    parents first (background communication threads name their events ``gloo:``/``nccl:``, which are not
+    categorised, so they add nothing)."""
     evs = [e for e in prof.events() if getattr(e, "device_type", None) is None or str(e.device_type).endswith("CPU")]
-    if not evs:
-        return []
-    main = Counter(e.thread for e in evs).most_common(1)[0][0]
-    mine = sorted((e for e in evs if e.thread == main), key=lambda e: (e.time_range.start, -e.time_range.end))
-    index = {id(e): i for i, e in enumerate(mine)}
-    out = []
-    for e in mine:
-        par = e.cpu_parent
-        while par is not None and id(par) not in index:
-            par = par.cpu_parent
-        p = index.get(id(par)) if par is not None else None
-        out.append((e.name, e.time_range.start * 1e-6, e.time_range.end * 1e-6, p))
+    out: list[tuple[str, float, float, int | None]] = []
+    for thread in sorted({e.thread for e in evs}):
+        mine = sorted((e for e in evs if e.thread == thread), key=lambda e: (e.time_range.start, -e.time_range.end))
+        base = len(out)
+        index = {id(e): base + i for i, e in enumerate(mine)}
+        for e in mine:
+            par = e.cpu_parent
+            while par is not None and id(par) not in index:
+                par = par.cpu_parent
+            p = index.get(id(par)) if par is not None else None
+            out.append((e.name, e.time_range.start * 1e-6, e.time_range.end * 1e-6, p))
     return out
 
 
@@ -127,6 +139,6 @@ def profile_step(step: int) -> None:
         window = time.perf_counter() - _State.t0
         _State.prof.__exit__(None, None, None)
         rank = int(os.environ.get("RANK", "0"))
-        res = attribute(_main_thread_events(_State.prof), window, stop - start)
+        res = attribute(_cpu_thread_events(_State.prof), window, stop - start)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"rank": rank, "steps": stop - start, **res}))
         _State.prof = None

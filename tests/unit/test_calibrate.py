@@ -151,6 +151,11 @@ def test_attribution_outermost_category_wins() -> None:
     assert a["p2p"] == pytest.approx(0.0025)
     assert a["optimizer"] == pytest.approx(0.004)
     assert a["compute"] == pytest.approx(0.040 - 0.004 - 0.0025 - 0.0025 - 0.004)
+    # a second thread (CUDA autograd's device thread) with a matmul overlapping one above: the union counts
+    other = [("autograd::engine::evaluate_function: MmBackward0", 0.004, 0.012, None), ("aten::mm", 0.004, 0.012, 8),
+             ("gloo:all_reduce", 0.011, 0.019, None)]
+    b = attribute(events + other, window_s=0.080, steps=2)
+    assert b["matmul"] == pytest.approx((0.012 - 0.000) / 2) and b["comm"] == pytest.approx(a["comm"])
     assert category("_c10d_functional::all_gather_into_tensor") == "comm"
     assert category("aten::gelu") is None
     with pytest.raises(ValueError, match="parent"):
