@@ -6,7 +6,10 @@ Pure functions of plain numbers. All results are bytes on one device.
 Mixed precision there is bf16 autocast (ZeRO 0) or FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)`` (ZeRO >= 1)
 over **fp32 parameters and fp32 gradients**; Adam keeps fp32 momentum and variance.  Per parameter:
 
-- ZeRO 0: 4 (fp32 params) + 4 (fp32 grads) + 8 (Adam m, v) = 16 bytes, replicated.
+- ZeRO 0: 4 (fp32 params) + 4 (fp32 grads) + 8 (Adam m, v) = 16 bytes, replicated; under bf16 autocast also the
+  bf16 copy autocast casts every weight to and caches for the whole autocast region (the runtime runs a step's
+  forwards and backwards in one region): 2 more, 18 bytes.  (The flattened gradient all-reduce after the backward
+  needs 4 more transiently, when the activations are already freed; not charged.)
 - ZeRO 3 (FSDP2, ``reshard_after_forward=True``): the same 16 bytes, all sharded over ``dp``: ``16 / dp``.
 - ZeRO 1 and 2: FSDP2 realizes both as full sharding without resharding after forward, so the unsharded
   compute-precision parameters (2 bytes, bf16) stay live from a unit's forward to its backward: ``2 + 16 / dp``.
@@ -101,6 +104,8 @@ def model_state_bytes(param_elems: float, *, zero: int, dp: int, mixed_precision
     params = param_elems * bp / shard
     if zero in (1, 2) and dp > 1:  # FSDP2 without resharding after forward: the unsharded copy stays live
         params += param_elems * (2 if mixed_precision else 4)
+    elif (zero == 0 or dp == 1) and mixed_precision:  # autocast's cached half-precision copy of every weight
+        params += param_elems * 2
     return params, param_elems * bg / shard, param_elems * bo / shard
 
 

@@ -19,16 +19,17 @@ from autopar.planner.inter_op.memory import (
 
 
 def test_model_state_runtime_layout() -> None:
-    # Rajbhandari et al. SC'20, Figure 1 (7.5B parameters, Nd = 64): replicated 120 GB and ZeRO-3 1.9 GB hold for
-    # the generated runtime too; its ZeRO-1/2 (FSDP2 without resharding after forward) keep the unsharded bf16
-    # parameters (15 GB) plus everything else sharded, where DeepSpeed's ZeRO-1/2 keep fp16 params (and grads)
+    # Rajbhandari et al. SC'20, Figure 1 (7.5B parameters, Nd = 64): 120 GB replicated (+ 15 GB: autocast's cached
+    # bf16 weights in the generated runtime) and ZeRO-3's 1.9 GB; its ZeRO-1/2 (FSDP2 without resharding after
+    # forward) keep the unsharded bf16 parameters (15 GB) plus everything else sharded, where DeepSpeed's ZeRO-1/2
+    # keep fp16 params (and grads) replicated
     psi, gb = 7.5e9, 1e9
     totals = [sum(model_state_bytes(psi, zero=z, dp=64, mixed_precision=True)) / gb for z in range(4)]
-    assert totals == pytest.approx([120.0, 15 + 120 / 64, 15 + 120 / 64, 1.9], abs=0.03)
-    assert model_state_bytes(1.0, zero=0, dp=8, mixed_precision=True) == (4.0, 4.0, 8.0)  # fp32 under autocast
+    assert totals == pytest.approx([120.0 + 15, 15 + 120 / 64, 15 + 120 / 64, 1.9], abs=0.03)
+    assert model_state_bytes(1.0, zero=0, dp=8, mixed_precision=True) == (6.0, 4.0, 8.0)  # fp32 + autocast copy
     assert model_state_bytes(1.0, zero=0, dp=8, mixed_precision=False) == (4.0, 4.0, 8.0)
     assert model_state_bytes(8.0, zero=2, dp=8, mixed_precision=False, optimizer="sgd") == (36.0, 4.0, 4.0)
-    assert model_state_bytes(8.0, zero=3, dp=1, mixed_precision=True) == (32.0, 32.0, 64.0)  # dp=1: no sharding
+    assert model_state_bytes(8.0, zero=3, dp=1, mixed_precision=True) == (48.0, 32.0, 64.0)  # dp=1: no sharding
     with pytest.raises(ValueError, match="zero"):
         model_state_bytes(1.0, zero=4, dp=2, mixed_precision=True)
     with pytest.raises(ValueError, match="optimizer"):
@@ -116,7 +117,9 @@ def test_breakdown_and_fits() -> None:
     assert bd.total == pytest.approx(4e9 + 10 * GiB + 2 * GiB)
     assert fits(bd)
     big = memory_breakdown(param_elems=5.3e9, zero=0, dp=8, mixed_precision=True, activations=0.0, capacity=80 * GiB)
-    assert not fits(big)  # 16 bytes/param * 5.3e9 = 84.8e9 + 1.5 GiB reserve > 80 GiB = 85.9e9
+    assert not fits(big)  # 18 bytes/param * 5.3e9 = 95.4e9 + 1.5 GiB reserve > 80 GiB = 85.9e9
+    assert fits(memory_breakdown(param_elems=4.4e9, zero=0, dp=8, mixed_precision=True, activations=0.0,
+                                 capacity=80 * GiB))  # 79.2e9 + 1.5 GiB
     z3 = memory_breakdown(param_elems=5.3e9, zero=3, dp=8, mixed_precision=True, activations=0.0, capacity=80 * GiB,
                           largest_layer_elems=2e8)
     # transient: 2e8 * (3 * 2 bytes + 4 bytes of fp32 reduce copy) = 2e9, plus its fragmentation
