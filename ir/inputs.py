@@ -44,14 +44,14 @@ def tensor_leaves(inputs: Inputs, order: Sequence[str] | None = None) -> list[to
 
 
 def with_batch(inputs: Inputs, batch: int, device: torch.device | str = "meta") -> Inputs:
-    """``inputs`` with every tensor's dim 0 set to ``batch`` (empty tensors on ``device``; non-tensors unchanged)."""
+    """``inputs`` with every tensor's dim 0 set to ``batch`` (zeros on ``device``; non-tensors unchanged)."""
 
     def one(x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
             return x
         if x.dim() == 0:
             raise ValueError("a scalar tensor input has no batch dimension; pass it as a Python number")
-        return torch.empty((batch, *x.shape[1:]), dtype=x.dtype, device=device)
+        return torch.zeros((batch, *x.shape[1:]), dtype=x.dtype, device=device)
 
     args, kwargs = inputs
     return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}

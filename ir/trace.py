@@ -201,8 +201,11 @@ def _flatten_inputs(node: fx.Node) -> list[fx.Node]:
 
 def _build_graph(gm: fx.GraphModule, model: torch.nn.Module, frontend: Literal["fx", "export"],
                  name_of_placeholder: dict[str, str], input_names: list[str], model_name: str,
-                 use_module_calls: bool) -> Graph:
+                 use_module_calls: bool, constants: dict[str, Any] | None = None) -> Graph:
     params, alias_of = _param_table(model)
+    # tensors a forward builds from Python data (torch.tensor(...)), lifted by torch.export: constant buffers
+    params += tuple(ParamInfo(name, meta, "buffer") for name, t in (constants or {}).items()
+                    if name not in alias_of and (meta := _meta_of(t)) is not None)
     pmeta = {p.name: p.meta for p in params}
     value_name: dict[fx.Node, str] = {}   # fx node -> IR value name (node name or param FQN)
     metas: dict[str, TensorMeta | None] = dict(pmeta)
@@ -339,7 +342,8 @@ def _trace_export(model: torch.nn.Module, inputs: list[Any], model_name: str,
     placeholder_fqn.update(getattr(sig, "inputs_to_lifted_tensor_constants", {}) or {})
     user_inputs = [s for s in sig.user_inputs if s is not None]  # an omitted optional input (None) is a constant
     gm = ep.graph_module
-    return _build_graph(gm, model, "export", placeholder_fqn, list(user_inputs), model_name, False)
+    constants = {k: v for k, v in ep.constants.items() if isinstance(v, torch.Tensor)}
+    return _build_graph(gm, model, "export", placeholder_fqn, list(user_inputs), model_name, False, constants)
 
 
 @contextlib.contextmanager

@@ -18,12 +18,13 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 
 from autopar import ir
 from autopar.ir.graph import Graph
+from autopar.ir.inputs import normalize
 from autopar.ir.plan import Plan, load_plan
 from autopar.ir.trace_cache import cache_root
 from autopar.planner.options import PlanOptions, parse_pins
@@ -110,26 +111,28 @@ def resolve_cluster(cluster: str | Path | ClusterProfile | None, nodes: int | No
     return with_nodes(prof, nodes) if nodes else prof
 
 
-def batch_one(example_inputs: Sequence[Any]) -> tuple[Any, ...]:
-    """The example inputs cut to batch 1 along their leading (batch) dimension.
+def batch_one(example_inputs: Any) -> Any:
+    """The example inputs cut to batch 1 along their leading (batch) dimension, in the form they were given (a
+    tensor or tuple -> a tuple, a dict of keyword inputs -> a dict).
 
     The planner traces every model at batch 1 and scales activations by the micro-batch size, so that a candidate
     micro-batch smaller than the example batch never sees a batch dimension it cannot split.  Inputs are cut only
     when every tensor input has the same leading size (batch-first); otherwise they are used as given."""
-    items = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    args, kwargs = normalize(example_inputs)
+    items = (*args, *kwargs.values())
     leads = {int(x.shape[0]) for x in items if isinstance(x, torch.Tensor) and x.dim() > 0}
     leads |= {int(x.shape[0]) for x in items if isinstance(x, ir.TensorSpec) and x.shape}
-    if len(leads) != 1 or leads == {1}:
-        return items
-    out: list[Any] = []
-    for x in items:
+
+    def one(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.dim() > 0:
-            out.append(x[:1])
-        elif isinstance(x, ir.TensorSpec) and x.shape:
-            out.append(ir.TensorSpec((1, *x.shape[1:]), x.dtype))
-        else:
-            out.append(x)
-    return tuple(out)
+            return x[:1]
+        if isinstance(x, ir.TensorSpec) and x.shape:
+            return ir.TensorSpec((1, *x.shape[1:]), x.dtype)
+        return x
+
+    if len(leads) == 1 and leads != {1}:
+        args, kwargs = tuple(one(x) for x in args), {k: one(v) for k, v in kwargs.items()}
+    return kwargs if kwargs and not args else ((args, kwargs) if kwargs else args)
 
 
 @dataclass
@@ -137,7 +140,8 @@ class AutoParallel:
     """Stepwise trace -> plan -> apply (see the module docstring)."""
 
     model: torch.nn.Module
-    example_inputs: Sequence[Any]
+    example_inputs: Any
+    """As the model takes them: a tensor, a tuple, or a dict of keyword inputs (see :mod:`autopar.ir.inputs`)."""
     global_batch: int
     cluster: str | Path | ClusterProfile | None = None
     nodes: int | None = None
@@ -175,7 +179,8 @@ class AutoParallel:
             self._result = search(self.trace(), self.profile(), self.plan_options(), progress)
         return self._result
 
-    def apply(self, plan: Plan | str | Path | None = None, *, init: Any = "copy", seed: int = 0) -> Any:
+    def apply(self, plan: Plan | str | Path | None = None, *, init: Any = "copy", seed: int = 0,
+              sync_batchnorm: bool = False) -> Any:
         """Build this rank's parallel program (needs an initialized process group, e.g. under torchrun).
 
         ``init="copy"`` shards the caller's weights; ``init="seed"`` generates a zoo model's weights shard by shard
@@ -193,10 +198,8 @@ class AutoParallel:
             chosen = load_plan(plan)
         chosen.check_compatible(fingerprint=self.trace().fingerprint,
                                 world_size=int(os.environ.get("WORLD_SIZE", chosen.world_size)))
-        if self.loss_fn is None:
-            raise ValueError("auto_parallel needs loss_fn=... to build a training step")
-        return build_program(chosen, self.model, loss_fn=self.loss_fn, example_inputs=tuple(self.example_inputs),
-                             graph=self.trace(), init=init, seed=seed)
+        return build_program(chosen, self.model, loss_fn=self.loss_fn, example_inputs=self.example_inputs,
+                             graph=self.trace(), init=init, seed=seed, sync_batchnorm=sync_batchnorm)
 
     def explain(self, node: str) -> str:
         from autopar.planner.report import explain_node
@@ -225,21 +228,26 @@ def _plan_once(ap: AutoParallel) -> Plan:
     return plan_from_yaml(box[0])
 
 
-def plan(model: torch.nn.Module, example_inputs: Sequence[Any], *, cluster: str | Path | ClusterProfile,
+def plan(model: torch.nn.Module, example_inputs: Any, *, cluster: str | Path | ClusterProfile,
          global_batch: int, nodes: int | None = None, model_name: str = "", **options: Any) -> SearchResult:
     """Plan ``model`` for ``cluster``: the best :class:`autopar.ir.Plan` (``.best``) and the top-k ``.alternatives``."""
     return AutoParallel(model, example_inputs, global_batch, cluster=cluster, nodes=nodes, model_name=model_name,
                         options=options).plan()
 
 
-def auto_parallel(model: torch.nn.Module, *, example_inputs: Sequence[Any], loss_fn: Callable[..., torch.Tensor],
-                  global_batch: int, cluster: str | Path | ClusterProfile | None = None, nodes: int | None = None,
-                  plan: Plan | str | Path | None = None, **options: Any) -> Any:
+def auto_parallel(model: torch.nn.Module, *, example_inputs: Any, global_batch: int,
+                  loss_fn: Callable[..., torch.Tensor] | None = None, cluster: str | Path | ClusterProfile | None = None, nodes: int | None = None,
+                  plan: Plan | str | Path | None = None, sync_batchnorm: bool = False, **options: Any) -> Any:
     """One line from a model to a parallel training program.
 
     Under torchrun: profiles this machine (``cluster=None``) or loads ``cluster``, plans (or loads ``plan``) and
     returns the rank's parallel program (``.step(inputs, targets)``, ``.parameters()`` for any torch optimizer).
     Without torchrun: returns the best :class:`autopar.ir.Plan` for ``cluster`` instead.  ``model`` is never mutated.
+
+    ``example_inputs`` as the model takes them: a tensor, a tuple, or a dict of keyword inputs.  Without ``loss_fn``
+    the model computes its own loss (a Hugging Face model given ``labels``): ``.step(batch)`` with the same keywords.
+    The program's weights are the caller's (``init="copy"``), sharded per rank.  ``sync_batchnorm=True``:
+    BatchNorm statistics over the data-parallel group (default: per rank, as the plan's note says).
     """
     if in_distributed_launch():
         world = int(os.environ["WORLD_SIZE"])
@@ -252,7 +260,7 @@ def auto_parallel(model: torch.nn.Module, *, example_inputs: Sequence[Any], loss
             cluster = prof
         ap = AutoParallel(model, example_inputs, global_batch, cluster=cluster, nodes=None, loss_fn=loss_fn,
                           options=options)
-        return ap.apply(plan if plan is not None else _plan_once(ap))
+        return ap.apply(plan if plan is not None else _plan_once(ap), sync_batchnorm=sync_batchnorm)
     if cluster is None and plan is None:
         raise ValueError("outside torchrun, auto_parallel plans for a given cluster: pass cluster='dgx-a100-80gb' "
                          "(or a profile YAML), or launch with torchrun to run on this machine")

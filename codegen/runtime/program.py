@@ -37,8 +37,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from autopar import ir
 from autopar.codegen.kernels.fx_rewrite import fuse_graph_module
-from autopar.ir.inputs import normalize, tensor_leaves, with_batch
 from autopar.codegen.runtime import data_parallel as dpm
+from autopar.codegen.runtime.batchnorm import sync_batch_norms
 from autopar.codegen.runtime.init import (
     Initializer,
     LocalSlot,
@@ -61,6 +61,7 @@ from autopar.codegen.runtime.tensor_parallel import (
     to_local_replicated,
     unpermute_chunks,
 )
+from autopar.ir.inputs import normalize, tensor_leaves, with_batch
 
 __all__ = ["ParallelProgram", "build_program"]
 
@@ -274,7 +275,7 @@ class ParallelProgram:
 def build_program(plan: ir.Plan, model: Any, *, loss_fn: Loss | None = None,
                   example_inputs: Any = None, graph: ir.Graph | None = None,
                   device: torch.device | str | None = None, init: Literal["copy"] | Initializer = "copy",
-                  seed: int = 0) -> ParallelProgram:
+                  seed: int = 0, sync_batchnorm: bool = False) -> ParallelProgram:
     """Build this rank's program for ``plan`` (call on every rank, inside an initialized process group).
 
     ``model`` is an ``nn.Module`` or an
@@ -286,7 +287,8 @@ def build_program(plan: ir.Plan, model: Any, *, loss_fn: Loss | None = None,
 
     ``init="copy"`` copies each rank's shards from the model's real weights; an :data:`Initializer` (such as
     ``autopar.zoo.init_weights``) instead generates them from ``seed`` one module at a time, so ``model`` may be on
-    the meta device."""
+    the meta device.  ``sync_batchnorm``: BatchNorm statistics over the dp group instead of per rank
+    (:mod:`autopar.codegen.runtime.batchnorm`; exported graphs)."""
     if hasattr(model, "model") and hasattr(model, "example_inputs"):
         loss_fn = loss_fn or model.loss_fn
         example_inputs = example_inputs if example_inputs is not None else model.example_inputs
@@ -300,9 +302,12 @@ def build_program(plan: ir.Plan, model: Any, *, loss_fn: Loss | None = None,
     dev = torch.device(device) if device is not None else default_device()
     mesh = build_mesh(plan, dev)
     meta = meta_clone(model)
-    micro = with_batch(inputs, plan.micro_batch)
+    # Capture what the planner traced: a real model is captured as itself (torch.export reads shapes only, and the
+    # program never writes to its tensors), a meta model as its clone; both give the plan's node names.
+    real = not any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
+    micro = with_batch(inputs, plan.micro_batch, _device_of(model) if real else "meta")
     if graph is None:
-        graph = ir.trace(meta, micro)
+        graph = ir.trace(model if real else meta, micro)
     if graph.fingerprint != plan.graph_fingerprint:
         log.warning("plan fingerprint %s differs from the traced graph's %s (another batch size or model?)",
                     plan.graph_fingerprint, graph.fingerprint)
@@ -310,7 +315,7 @@ def build_program(plan: ir.Plan, model: Any, *, loss_fn: Loss | None = None,
         raise ValueError(f"the plan's stages cover {plan.stages[-1].layer_end} layer groups but the model has "
                          f"{len(graph.layers)}; re-plan for this model")
     aliases = alias_names(meta)
-    split = split_model(meta, graph, micro, dev)
+    split = split_model(model if real and graph.frontend == "export" else meta, graph, micro, dev)
     tie_groups = _tie_groups(plan, split, aliases)
     pp_rank, dp_rank, tp_rank = plan.mesh.coords(dist.get_rank())
     indices = local_stage_indices(plan, pp_rank)
@@ -318,6 +323,10 @@ def build_program(plan: ir.Plan, model: Any, *, loss_fn: Loss | None = None,
     canon = {a: c for c, names in aliases.items() for a in names}
     stages, group_lists, chunks = _make_stages(plan, graph, split, indices, tp_mesh, aliases)
     chunks = {canon.get(k, k): v for k, v in chunks.items()}
+    if sync_batchnorm and plan.mesh.dp > 1:
+        synced = sum(sync_batch_norms(g, mesh["dp"].get_group()) for gl in group_lists for g in gl)
+        if not synced and graph.frontend != "export":
+            log.warning("sync_batchnorm: BatchNorm modules of an fx-captured model keep per-rank statistics")
     if tp_mesh is not None:
         _distribute_params(stages, tp_mesh, plan, canon)
     fsdp = plan.zero >= 1 and plan.mesh.dp > 1
@@ -326,7 +335,7 @@ def build_program(plan: ir.Plan, model: Any, *, loss_fn: Loss | None = None,
                        policy=dpm.mp_policy(plan.dtype, plan.reduce_dtype))
     for s in stages:
         _to_empty_keep_ties(s, dev)
-    _load(stages, model, init, seed, canon, chunks, plan, fsdp, dp_rank, tp_rank)
+    _load(stages, model, init, seed, canon, chunks, plan, fsdp, dp_rank, tp_rank, split.constants)
     log.info("rank %d: stages %s, %d local parameter tensors", dist.get_rank(), indices,
              sum(1 for s in stages for _ in s.parameters()))
     return ParallelProgram(plan=plan, mesh=mesh, stages=stages, stage_indices=indices, loss_fn=loss_fn or _model_loss,
@@ -335,6 +344,10 @@ def build_program(plan: ir.Plan, model: Any, *, loss_fn: Loss | None = None,
                            keywords=tuple(inputs[1]), n_inputs=len(split.model_inputs),
                            examples=[(split.boundary_examples(plan.stages[i].layer_start, dev),
                                       split.boundary_examples(plan.stages[i].layer_end, dev)) for i in indices])
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next(itertools.chain(model.parameters(), model.buffers()), torch.empty(0)).device
 
 
 def _non_persistent(model: nn.Module) -> Iterator[str]:
@@ -418,7 +431,8 @@ def _to_empty_keep_ties(module: nn.Module, device: torch.device) -> None:
 
 def _load(stages: list[StageModule], model: nn.Module, init: Literal["copy"] | Initializer, seed: int,
           canon: dict[str, str],
-          chunks: dict[str, int], plan: ir.Plan, fsdp: bool, dp_rank: int, tp_rank: int) -> None:
+          chunks: dict[str, int], plan: ir.Plan, fsdp: bool, dp_rank: int, tp_rank: int,
+          constants: dict[str, torch.Tensor] | None = None) -> None:
     slots: dict[str, dict[int, LocalSlot]] = {}
     for s in stages:
         for name, t in itertools.chain(s.named_parameters(remove_duplicate=False),
@@ -435,6 +449,8 @@ def _load(stages: list[StageModule], model: nn.Module, init: Literal["copy"] | I
                 fill_slot(slot, full, tp_rank)
                 filled.add(key)
 
+    for fqn, value in (constants or {}).items():
+        consume(fqn, value)
     if init == "copy":
         copy_into(model, consume)
     else:

@@ -23,6 +23,7 @@ feeds stage k+1 only, as ``torch.distributed.pipelining`` requires.  The last st
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import warnings
 from collections.abc import Callable
@@ -35,6 +36,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from autopar import ir
+from autopar.codegen.runtime.init import meta_clone
 
 __all__ = ["Example", "GroupSpec", "SplitModel", "capture", "split_model", "StageModule"]
 
@@ -63,6 +65,10 @@ class SplitModel:
     values: dict[str, tuple[tuple[int, ...], torch.dtype, bool]] = field(default_factory=dict)
     """Exported captures: value name -> (shape, dtype, requires grad) at the captured micro-batch, for pipeline
     stages whose boundary tensors are declared up front (see :meth:`boundary_examples`)."""
+
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Tensors the capture holds that the model does not (``torch.tensor(...)`` built in forward, lifted by
+    torch.export), with their values: loaded like the model's buffers."""
 
     def boundary_examples(self, boundary: int, device: torch.device) -> tuple[torch.Tensor, ...] | None:
         """Empty tensors shaped like the values crossing ``boundary`` (None without exported metadata).
@@ -140,7 +146,9 @@ def capture(root: nn.Module, graph: ir.Graph, example: Example | None = None,
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ep = torch.export.export(root, tuple(args), dict(kwargs), strict=False)
-    gm = ep.module()
+    # The program must never write to the caller's tensors (to_empty would re-point a real parameter's data): the
+    # captured module's parameters and buffers become meta tensors, ties kept; constants keep their values.
+    gm = meta_clone(ep.module())
     for n in list(gm.graph.nodes):  # the input guard module torch.export inserts checks shapes only
         if n.op == "call_module" and not n.users and str(n.target).startswith("_guards"):
             gm.graph.erase_node(n)
@@ -198,7 +206,14 @@ def split_model(root: nn.Module, graph: ir.Graph, example: Example | None = None
         modules.append(_group_module(gm, members[gi], reads, writes, f"Group{gi}", attrs))
     placeholders = tuple(n.name for n in nodes if n.op == "placeholder")
     values = _value_metadata(gm) if graph.frontend == "export" else {}
-    return SplitModel(modules, specs, placeholders, result.name, values)
+    own = {n for n, _ in itertools.chain(root.named_parameters(remove_duplicate=False),
+                                         root.named_buffers(remove_duplicate=False))}
+    constants = {}
+    for n in nodes:
+        t = _attr(gm, str(n.target)) if n.op == "get_attr" and str(n.target) not in own else None
+        if isinstance(t, torch.Tensor) and not t.is_meta:
+            constants[str(n.target)] = t.detach().clone()
+    return SplitModel(modules, specs, placeholders, result.name, values, constants)
 
 
 def _value_metadata(gm: fx.GraphModule) -> dict[str, tuple[tuple[int, ...], torch.dtype, bool]]:
@@ -217,6 +232,13 @@ def _value_metadata(gm: fx.GraphModule) -> dict[str, tuple[tuple[int, ...], torc
             req = grad[n] and (val.dtype.is_floating_point or val.dtype.is_complex)
             out[n.name] = (tuple(int(d) for d in val.shape), val.dtype, req)
     return out
+
+
+def _attr(gm: fx.GraphModule, target: str) -> object:
+    obj: object = gm
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj
 
 
 def _is_param(gm: fx.GraphModule, target: str) -> bool:

@@ -205,6 +205,71 @@ class HeadSDPA(nn.Module):
                                   stride=_contiguous_stride(list(shape)))
 
 
+class ChannelConv(nn.Module):
+    """A convolution (ATen ``conv1d/2d/3d``) on a tp-sharded weight, computed on local shards.
+
+    DTensor's own convolution rule mis-sizes the output of an out-channel-sharded weight (torch 2.13: it reports a
+    replicated output holding only the local channels), so the runtime does it: an out-channel shard ``S(0)`` of the
+    weight convolves the replicated input into a channel-sharded output ``S(1)``; an in-channel shard ``S(1)`` of
+    the weight convolves the channel-sharded input into partial sums (bias added once, after the reduction).  Other
+    layouts (grouped convolutions) gather the weight and run replicated."""
+
+    def __init__(self, op: Any) -> None:
+        super().__init__()
+        self.op = op
+
+    def forward(self, x: Any, w: Any, b: Any = None, *args: Any) -> Any:
+        if not isinstance(w, DTensor):
+            return self.op(x, w, b, *args)
+        mesh, pl = w.device_mesh, w.placements[0]
+        groups = args[4] if len(args) > 4 else 1
+        x = to_dtensor(x, mesh)
+        if pl == Shard(0) and groups == 1:
+            xl = x.redistribute(mesh, [Replicate()]).to_local()
+            bl = b.redistribute(mesh, [Shard(0)]).to_local() if isinstance(b, DTensor) else \
+                (None if b is None else torch.chunk(b, mesh.size())[mesh.get_local_rank()])
+            return DTensor.from_local(self.op(xl, w.to_local(), bl, *args), mesh, [Shard(1)], run_check=False)
+        if pl == Shard(1) and groups == 1:
+            xl = x.redistribute(mesh, [Shard(1)]).to_local()
+            out = DTensor.from_local(self.op(xl, w.to_local(), None, *args), mesh, [Partial()], run_check=False)
+            if b is None:
+                return out
+            bias = to_dtensor(b, mesh).redistribute(mesh, [Replicate()])
+            return out + bias.reshape(-1, *([1] * (out.dim() - 2)))
+        xl = x.redistribute(mesh, [Replicate()]).to_local()
+        bf = b.full_tensor() if isinstance(b, DTensor) else b
+        return DTensor.from_local(self.op(xl, w.full_tensor(), bf, *args), mesh, [Replicate()], run_check=False)
+
+
+class InplaceOnPlain(nn.Module):
+    """An in-place ATen op (``add_``, ``fill_``...) whose target is a plain tensor: DTensor arguments (values the plan
+    replicated, sharded ones gathered) are made whole first, since an in-place op cannot make its target a DTensor;
+    a replicated DTensor target is updated through its local tensor (DTensor has no rule for some, e.g.
+    ``fill_.Tensor``).  A sharded target runs the op as DTensor does."""
+
+    def __init__(self, op: Any) -> None:
+        super().__init__()
+        self.op = op
+
+    def forward(self, target: Any, *args: Any, **kwargs: Any) -> Any:
+        whole = not isinstance(target, DTensor) or all(isinstance(p, Replicate) for p in target.placements)
+        if whole:  # a plain or replicated target: run the op on whole local tensors (exact; DTensor may lack a rule)
+            args = tuple(a.full_tensor() if isinstance(a, DTensor) else a for a in args)
+            kwargs = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in kwargs.items()}
+            self.op(target.to_local() if isinstance(target, DTensor) else target, *args, **kwargs)
+            return target
+        return self.op(target, *args, **kwargs)
+
+
+def _inplace(n: fx.Node) -> bool:
+    return n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and \
+        n.target._schema.name.endswith("_") and bool(n.target._schema.arguments) and \
+        n.target._schema.arguments[0].is_write
+
+
+_CONV = (torch.ops.aten.conv1d.default, torch.ops.aten.conv2d.default, torch.ops.aten.conv3d.default)
+
+
 def expand_op_shardings(plan: ir.Plan, graph: ir.Graph) -> dict[str, ir.OpSharding]:
     """Node name -> OpSharding for every node, repeating a block's entries on all blocks with its structural hash."""
     group_of = {}
@@ -291,11 +356,16 @@ def rewrite_group(gm: fx.GraphModule, graph: ir.Graph, plan: ir.Plan, mesh: Devi
             continue
         if mesh is None:
             continue
+        name = n.name  # the IR's name for this value, also after a swap
+        if n.op == "call_function" and n.target in _CONV:
+            n = current[name] = _swap_node(gm, n, ChannelConv(n.target), f"_conv_{name}")
+        elif _inplace(n):
+            n = current[name] = _swap_node(gm, n, InplaceOnPlain(n.target), f"_inplace_{name}")
         if n.op == "call_module" and isinstance(gm.get_submodule(str(n.target)), nn.Linear):
             chunks.update(_fused_projection(gm, graph, n, placement_of, mesh, erased, current, ops))
-        op = ops.get(n.name)
-        if op is not None and graph.has_node(n.name):
-            _pin(gm, n, graph.node(n.name), op, mesh, current)
+        op = ops.get(name)
+        if op is not None and graph.has_node(name):
+            _pin(gm, n, graph.node(name), op, mesh, current, name)
     gm.graph.lint()
     gm.recompile()
     return chunks
@@ -342,28 +412,44 @@ def _swap_node(gm: fx.GraphModule, n: fx.Node, mod: nn.Module, name: str) -> fx.
     return new
 
 
+def _is_index(dtype: str | None) -> bool:
+    """Integer and boolean values (ids, masks, position buckets) are never pinned: they stay plain tensors, computed
+    whole on every rank (exact, and next to free), which DTensor's implicit replication treats as replicated.  The
+    in-place integer ops models run on them (a shifted ``labels`` copy filled in place, T5's bucket sums) have no
+    DTensor rule, and an in-place op cannot turn a plain tensor into a DTensor."""
+    return dtype is not None and not dtype.startswith(("float", "bfloat", "complex"))
+
+
+def graph_meta(n: fx.Node) -> str | None:
+    """The dtype name of an fx value from its captured metadata (None when unknown)."""
+    val = n.meta.get("val")
+    return str(val.dtype).removeprefix("torch.") if isinstance(val, torch.Tensor) else None
+
+
 def _pin(gm: fx.GraphModule, n: fx.Node, node: ir.Node, op: ir.OpSharding, mesh: DeviceMesh,
-         current: dict[str, fx.Node]) -> None:
+         current: dict[str, fx.Node], name: str | None = None) -> None:
     """Pin ``n``'s activation inputs and output to the plan's placements.  ``current`` maps a value's name to the
     fx node that now carries it (the producer's output pin, a swapped-in module), so a consumer's pin applies on top
     of its producer's: a sequence-parallel norm's ``S(1)`` output is all-gathered for a column-parallel Linear that
-    consumes ``R`` (Korthikanti et al. 2022, the ``g`` operator)."""
+    consumes ``R`` (Korthikanti et al. 2022, the ``g`` operator).  ``name``: the IR's name of ``n``'s value (when
+    ``n`` is a swapped-in module)."""
+    key = name or n.name
     for k, (inp, placement) in enumerate(_pinned_inputs(node, op)):
         src = current.get(inp)
-        if src is None or src not in n.all_input_nodes:
+        if src is None or src not in n.all_input_nodes or _is_index(graph_meta(src)):
             continue
-        name = f"_place_{n.name}_in{k}"
-        gm.add_submodule(name, Place(mesh, placement))
+        attr = f"_place_{n.name}_in{k}"
+        gm.add_submodule(attr, Place(mesh, placement))
         with gm.graph.inserting_before(n):
-            p = gm.graph.call_module(name, (src,))
+            p = gm.graph.call_module(attr, (src,))
         n.replace_input_with(src, p)
-    if op.output != "P":
-        name = f"_place_{n.name}_out"
-        gm.add_submodule(name, Place(mesh, op.output))
+    if op.output != "P" and not (node.outputs and _is_index(node.outputs[0].dtype)):
+        attr = f"_place_{n.name}_out"
+        gm.add_submodule(attr, Place(mesh, op.output))
         with gm.graph.inserting_after(n):
-            p = gm.graph.call_module(name, (n,))
+            p = gm.graph.call_module(attr, (n,))
         n.replace_all_uses_with(p, delete_user_cb=lambda u: u is not p)
-        current[n.name] = p
+        current[key] = p
 
 
 def permute_chunks(t: torch.Tensor, chunks: int, tp: int) -> torch.Tensor:

@@ -50,8 +50,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2, help="steps excluded from the timing statistics")
     p.add_argument("--seq", type=int, default=None, help="sequence length override for language models")
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--init", choices=["seed", "copy"], default="seed",
-                   help="seed: meta model initialized shard by shard; copy: build the full model, copy shards")
+    p.add_argument("--init", choices=["seed", "copy"], default=None,
+                   help="seed (zoo models only; their default): meta model initialized shard by shard with the zoo's "
+                        "rules; copy (the default for package.module:factory models): the factory's own weights, "
+                        "copied shard by shard")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--report", default=None,
                    help="write a JSON report here (rank 0), with a SHA-256 of every final parameter (model layout)")
@@ -154,6 +156,12 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     from autopar.zoo import build, init_weights
 
     plan = ir.load_plan(args.plan)
+    custom = ":" in args.model
+    if args.init is None:
+        args.init = "copy" if custom else "seed"
+    if args.init == "seed" and custom:
+        raise ValueError(f"--init seed applies the zoo's initializer, which would overwrite {args.model}'s own "
+                         "weights (and leave derived buffers unset); use --init copy")
     spec = build(args.model, batch=plan.global_batch, device="cpu", seq=args.seq, seed=args.seed)
     if spec.make_target is None:
         raise ValueError(f"model {args.model} has no target maker; the worker needs a zoo-style ModelSpec")
