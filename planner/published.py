@@ -140,10 +140,10 @@ def check_run(case: dict[str, Any], *, search_free: bool = False, time_limit_s: 
     if "tflops_per_gpu" in case["measured"]:
         flops = megatron_flops(gb, m["seq"], m["layers"], m["hidden"], m["vocab"])
         unit, measured = "TFLOP/s/GPU", case["measured"]["tflops_per_gpu"]
-        value = lambda p: flops / p.time.total / gpus / 1e12  # noqa: E731
+        value = lambda p: flops / p.time.total / gpus / 1e12
     else:
         unit, measured = "tokens/s/GPU", case["measured"]["tokens_per_s_per_gpu"]
-        value = lambda p: gb * m["seq"] / p.time.total / gpus  # noqa: E731
+        value = lambda p: gb * m["seq"] / p.time.total / gpus
     return RunRow(case["id"], case.get("role", "held_out"), gpus, unit, measured, value(plan),
                   value(free) if free is not None else float("nan"), plan, free, fits)
 

@@ -2,12 +2,14 @@
 recomputation) of the outer search.
 
     screen.py         layer tables from the intra-op solutions; closed-form time and memory of a candidate
+    dpcomm.py         data-parallel collectives (FSDP2 units, DDP buckets) and their overlap with compute
     partition.py      the stage partitioner: minmax_partition (screening) and partition_stages (exact, with memory)
     schedule.py       GPipe / 1F1B / interleaved 1F1B simulated event by event
     memory.py         per-device memory: model state by ZeRO level, activations in flight, reserves
     evaluate.py       exact evaluation of a screened candidate and the Plan it becomes
 """
 
+from autopar.planner.inter_op.dpcomm import DpComm, dp_comm
 from autopar.planner.inter_op.evaluate import build_plan, evaluate_stages, param_patterns
 from autopar.planner.inter_op.memory import (
                                              GiB,
@@ -36,7 +38,6 @@ from autopar.planner.inter_op.schedule import (
                                              rank_order,
                                              simulate,
 )
-from autopar.planner.inter_op.dpcomm import DpComm, dp_comm
 from autopar.planner.inter_op.screen import (
                                              ADAM_STEP_BYTES,
                                              Candidate,

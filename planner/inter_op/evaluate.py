@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Sequence
 
-from autopar.ir.graph import Graph
+from autopar.ir.graph import DTYPE_BYTES, Graph
 from autopar.ir.plan import (
     MemoryBreakdown,
     MeshPlan,
@@ -87,14 +87,16 @@ def _rank_params(table: LayerTable, chunks: Sequence[tuple[int, int]], n: int) -
 
 
 def _rank_memory(table: LayerTable, chunks: Sequence[tuple[int, int]], rc: str, flights: float, s: Screened,
-                 cost: CostModel, mixed: bool, n: int) -> MemoryBreakdown:
+                 cost: CostModel, options: PlanOptions, n: int) -> MemoryBreakdown:
     acts = sum(sum(table.act[rc][a:b]) for a, b in chunks) * flights
     if rc == "full":
         acts += max(max(table.act_none[a:b]) for a, b in chunks)
+    per_tensor = options.dp_collectives == "tensor"
+    largest = max(max((table.largest_tensor if per_tensor else table.params)[a:b]) for a, b in chunks)
     return memory_breakdown(param_elems=_rank_params(table, chunks, n), zero=s.cand.zero, dp=s.cand.dp,
-                            mixed_precision=mixed, activations=acts, capacity=cost.profile.device.memory_bytes,
-                            largest_layer_elems=max(max(table.params[a:b]) for a, b in chunks),
-                            reserve=reserve_for(cost))
+                            mixed_precision=options.dtype != "float32", activations=acts,
+                            capacity=cost.profile.device.memory_bytes, largest_layer_elems=largest,
+                            reduce_bytes=DTYPE_BYTES.get(options.reduce_dtype, 4), reserve=reserve_for(cost))
 
 
 def evaluate_stages(table: LayerTable, s: Screened, cost: CostModel, options: PlanOptions,
@@ -103,7 +105,6 @@ def evaluate_stages(table: LayerTable, s: Screened, cost: CostModel, options: Pl
     """Per-rank recompute choice, memory and the simulated schedule for fixed stage boundaries."""
     c = s.cand
     pp, n = c.pp, len(table.fwd)
-    mixed = options.dtype != "float32"
     flights = in_flight(c.schedule, pp, c.num_microbatches, c.virtual_stages)
     allowed = _RC_ORDER[: _RC_ORDER.index(c.recompute) + 1]
     if options.pins.get("recompute") is not None:
@@ -112,7 +113,7 @@ def evaluate_stages(table: LayerTable, s: Screened, cost: CostModel, options: Pl
     for r in range(pp):
         mine = list(rank_chunks(chunks, pp, r))
         for rc in allowed:
-            mem = _rank_memory(table, mine, rc, flights[r], s, cost, mixed, n)
+            mem = _rank_memory(table, mine, rc, flights[r], s, cost, options, n)
             if mem.total <= mem.capacity:
                 break
         else:

@@ -154,15 +154,18 @@ def activation_bytes(act_bytes: Mapping[str, float], recompute: Recompute, *, sc
 
 def memory_breakdown(*, param_elems: float, zero: int, dp: int, mixed_precision: bool, activations: float,
                      capacity: float, optimizer: Optimizer = "adam", largest_layer_elems: float = 0.0,
-                     reserve: MemoryReserve | None = None) -> MemoryBreakdown:
+                     reserve: MemoryReserve | None = None, reduce_bytes: int = 4) -> MemoryBreakdown:
     """Assemble one device's peak memory: model state, activations (from :func:`activation_bytes`), and "other"
-    = ZeRO-3 transient + fixed reserve + fragmentation of the dynamic part."""
+    = ZeRO-3 transient + fixed reserve + fragmentation of the dynamic part.  ``largest_layer_elems``: the largest
+    unit gathered at once (a layer group for FSDP2, a tensor for per-tensor gathers); ``reduce_bytes``: bytes per
+    element of the gradient reduction."""
     if activations < 0 or capacity < 0:
         raise ValueError(f"activations and capacity must be >= 0, got {activations}, {capacity}")
     res = reserve or MemoryReserve()
     params, grads, opt = model_state_bytes(param_elems, zero=zero, dp=dp, mixed_precision=mixed_precision,
                                            optimizer=optimizer)
-    transient = zero3_transient_bytes(largest_layer_elems, zero=zero, dp=dp, mixed_precision=mixed_precision)
+    transient = zero3_transient_bytes(largest_layer_elems, zero=zero, dp=dp, mixed_precision=mixed_precision,
+                                      reduce_bytes=reduce_bytes)
     other = transient + res.fixed_bytes + res.fragmentation * (activations + transient)
     return MemoryBreakdown(params=params, grads=grads, optimizer=opt, activations=activations, other=other,
                            capacity=capacity)

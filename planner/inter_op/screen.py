@@ -56,6 +56,8 @@ class LayerTable:
     """Local elements of parameters read by both the first and the last group (tied embeddings)."""
     tensors: tuple[int, ...]
     """Parameter tensors per group (the collectives of a per-tensor data-parallel implementation)."""
+    largest_tensor: tuple[float, ...]
+    """Local elements of each group's largest parameter tensor (what a per-tensor implementation gathers at once)."""
     solutions: tuple[GroupSolution, ...]
     gap: float
     status: str
@@ -74,6 +76,10 @@ def _local_elems(graph: Graph, names: tuple[str, ...], placements: dict[str, str
             continue
         tot += info.meta.numel / (tp if placements.get(n, "R").startswith("S") else 1)
     return tot
+
+
+def _largest_local(graph: Graph, names: tuple[str, ...], placements: dict[str, str], tp: int) -> float:
+    return max((_local_elems(graph, (n,), placements, tp) for n in names), default=0.0)
 
 
 def block_paths(graph: Graph) -> frozenset[str]:
@@ -142,6 +148,7 @@ def layer_table(graph: Graph, sols: tuple[GroupSolution, ...], tp: int, micro_ba
         params=params, out_bytes=tuple(s.out_bytes for s in sols), shared_params=shared,
         tensors=tuple(sum(1 for n in g.params if (i := graph.param_map.get(n)) is not None and i.kind == "param")
                       for g in graph.layers),
+        largest_tensor=tuple(_largest_local(graph, g.params, placements, tp) for g in graph.layers),
         solutions=sols, gap=max(gaps) if gaps else 0.0, status=status,
         solve_s=sum(s.wall_s for s in sols))
 
@@ -184,7 +191,7 @@ def reserve_for(cost: CostModel) -> MemoryReserve:
 
 
 def dp_time(cost: CostModel, *, params: float, units: int, fwd_s: float, bwd_s: float, m: int, dp: int, tp: int,
-            zero: int, dtype: str, reduce_dtype: str, overlap: bool, memo: "ScreenMemo | None" = None,
+            zero: int, dtype: str, reduce_dtype: str, overlap: bool, memo: ScreenMemo | None = None,
             tensors: int = 0, recompute: str = "none") -> DpComm:
     """Data-parallel communication of one rank per iteration (:func:`autopar.planner.inter_op.dpcomm.dp_comm`),
     the one formula screening and exact evaluation share; ``memo`` memoizes its collective times.  ``tensors``:
@@ -230,7 +237,7 @@ class ScreenMemo:
     def ranks(self, table: LayerTable, rc: str, pp: int, v: int, cost: CostModel, p2p_intra: bool
               ) -> tuple[list[tuple[int, int]], float, float, tuple[tuple[float, ...], ...]] | None:
         """``(chunks, sum of times, p2p, per rank (time, params, act sum, full-recompute extra, largest layer,
-        forward, layer groups, parameter tensors))`` or None when ``pp * v`` exceeds the groups."""
+        forward, layer groups, parameter tensors, largest tensor))`` or None when ``pp * v`` exceeds the groups."""
         memo = self._of(table)
         key = (rc, pp, v, p2p_intra)
         if key in memo:
@@ -255,10 +262,11 @@ class ScreenMemo:
             acts = sum(sum(act[a:b]) for a, b in mine)
             extra = max(max(table.act_none[a:b]) for a, b in mine) if rc == "full" else 0.0
             largest = max(max(table.params[a:b]) for a, b in mine)
+            largest_t = max(max(table.largest_tensor[a:b]) for a, b in mine)
             fwd = sum(sum(table.fwd[a:b]) for a, b in mine)
             units = sum(b - a for a, b in mine)
             tensors = sum(sum(table.tensors[a:b]) for a, b in mine)
-            per_rank.append((t, params, acts, extra, largest, fwd, units, tensors))
+            per_rank.append((t, params, acts, extra, largest, fwd, units, tensors, largest_t))
         out = (chunks, sum(times), p2p, tuple(per_rank))
         memo[key] = out
         return out
@@ -284,12 +292,14 @@ def screen(cand: Candidate, table: LayerTable, cost: CostModel, *, dtype: str, c
     full = cand.recompute == "full"
     dp, tp, zero = cand.dp, cand.tp, cand.zero
     bandwidth = cost.profile.device.memory_bandwidth
-    for r, (t, params, acts, extra, largest, fwd, units, tensors) in enumerate(ranks):
+    for r, (t, params, acts, extra, largest, fwd, units, tensors, largest_t) in enumerate(ranks):
         acts = acts * flights[r]
         if full:
             acts += extra
         mem = memory_breakdown(param_elems=params, zero=zero, dp=dp, mixed_precision=mixed,
-                               activations=acts, capacity=capacity, largest_layer_elems=largest,
+                               activations=acts, capacity=capacity,
+                               largest_layer_elems=largest_t if dp_collectives == "tensor" else largest,
+                               reduce_bytes=DTYPE_BYTES.get(reduce_dtype, 4),
                                reserve=reserve).total
         peak = max(peak, mem)
         comm = dp_time(cost, params=params, units=units, fwd_s=fwd, bwd_s=t - fwd, m=m, dp=dp, tp=tp, zero=zero,
