@@ -8,9 +8,10 @@ environment variables ``AUTOPAR_CALIBRATE_DIR``, ``AUTOPAR_CALIBRATE_START`` and
 :func:`attribute` splits the profiled window of the rank's host threads (the training loop, and autograd's device
 thread on CUDA) into
 
-- ``comm``: collectives (``c10d::*`` and functional collectives, DTensor's included), outermost calls;
-- ``p2p``: pipeline sends and receives (``c10d::send``/``recv``), which hold the transfer *and* the pipeline bubble
-  (a stage waiting for its neighbour);
+- ``comm``: collectives (``c10d::*`` and functional collectives, DTensor's included), outermost calls, and the wait
+  of an asynchronous one (the host's gap until its next op);
+- ``p2p``: pipeline sends and receives (``c10d::send``/``recv`` and their waits), which hold the transfer *and* the
+  pipeline bubble (a stage waiting for its neighbour);
 - ``idle``: barriers (the step-time barriers of the worker: waiting for the slowest rank);
 - ``optimizer``: ``Optimizer.step`` and ``zero_grad``;
 - ``compute``: the rest of the window (ops and the eager framework time between them), of which ``matmul`` is the part
@@ -22,6 +23,7 @@ waits (collectives and synchronizations block the host), so the same split appli
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -65,20 +67,25 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def attribute(events: Iterable[tuple[str, float, float, int | None]], window_s: float, steps: int) -> dict[str, float]:
+def attribute(events: Iterable[tuple[Any, ...]], window_s: float, steps: int) -> dict[str, float]:
     """Seconds per step in each of :data:`CATEGORIES` (plus ``matmul`` within ``compute`` and ``step``).
 
-    ``events``: ``(name, start_s, end_s, parent_index)``, ``parent_index`` indexing the same list (None for a
-    top-level event); several threads may be concatenated (on CUDA autograd runs the backward on a thread of its
+    ``events``: ``(name, start_s, end_s, parent_index[, thread])``, ``parent_index`` indexing the same list (None for
+    a top-level event); several threads may be concatenated (on CUDA autograd runs the backward on a thread of its
     own).  Each event counts in the category of its outermost categorised ancestor-or-self, so a collective inside
     DTensor's redistribution counts as communication and a matmul inside it does not count twice; the time a
     category covers is the union of its events' intervals, so concurrent threads do not count it twice either.
+    Asynchronous collectives and receives return before they complete and their wait is no profiler event: the gap
+    on the same thread from a top-level collective (p2p) call to the thread's next top-level event counts as that
+    collective's (p2p's) time.
     """
     if steps < 1 or window_s <= 0:
         raise ValueError(f"need steps >= 1 and a positive window, got steps={steps}, window_s={window_s}")
     cats: list[str | None] = []
     spans: dict[str, list[tuple[float, float]]] = {c: [] for c in ("comm", "p2p", "idle", "optimizer", "matmul")}
-    for name, start, end, parent in events:
+    tops: dict[Any, list[tuple[float, float, str | None]]] = {}
+    for ev in events:
+        name, start, end, parent = ev[:4]
         if parent is not None and not 0 <= parent < len(cats):
             raise ValueError(f"event {name!r}: parent {parent} must come earlier in the list")
         inherited = cats[parent] if parent is not None else None
@@ -86,18 +93,25 @@ def attribute(events: Iterable[tuple[str, float, float, int | None]], window_s: 
         cats.append(inherited or own)
         if own is not None and inherited is None and end > start:
             spans[own].append((start, end))
+        if parent is None:
+            tops.setdefault(ev[4] if len(ev) > 4 else 0, []).append((start, end, own))
+    for top in tops.values():
+        top.sort()
+        for (_, end, own), (nxt, _, _) in itertools.pairwise(top):
+            if own in ("comm", "p2p") and nxt > end:
+                spans[own].append((end, nxt))
     out = {c: _union(v) / steps for c, v in spans.items()}
     out["step"] = window_s / steps
     out["compute"] = max(0.0, out["step"] - out["comm"] - out["p2p"] - out["idle"] - out["optimizer"])
     return out
 
 
-def _cpu_thread_events(prof: Any) -> list[tuple[str, float, float, int | None]]:
-    """``(name, start_s, end_s, parent_index)`` of every host thread's events, thread by thread in start order,
+def _cpu_thread_events(prof: Any) -> list[tuple[str, float, float, int | None, int]]:
+    """``(name, start_s, end_s, parent_index, thread)`` of every host thread's events, thread by thread in start order,
     parents first (background communication threads name their events ``gloo:``/``nccl:``, which are not
     categorised, so they add nothing)."""
     evs = [e for e in prof.events() if getattr(e, "device_type", None) is None or str(e.device_type).endswith("CPU")]
-    out: list[tuple[str, float, float, int | None]] = []
+    out: list[tuple[str, float, float, int | None, int]] = []
     for thread in sorted({e.thread for e in evs}):
         mine = sorted((e for e in evs if e.thread == thread), key=lambda e: (e.time_range.start, -e.time_range.end))
         base = len(out)
@@ -107,7 +121,7 @@ def _cpu_thread_events(prof: Any) -> list[tuple[str, float, float, int | None]]:
             while par is not None and id(par) not in index:
                 par = par.cpu_parent
             p = index.get(id(par)) if par is not None else None
-            out.append((e.name, e.time_range.start * 1e-6, e.time_range.end * 1e-6, p))
+            out.append((e.name, e.time_range.start * 1e-6, e.time_range.end * 1e-6, p, thread))
     return out
 
 

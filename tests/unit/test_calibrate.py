@@ -162,6 +162,16 @@ def test_attribution_outermost_category_wins() -> None:
         attribute([("x", 0.0, 1.0, 3)], 1.0, 1)
 
 
+def test_attribution_counts_an_async_collectives_wait() -> None:
+    # an async all-reduce returns at 0.011; the host waits (no event) until 0.020, then computes; a recv likewise
+    main = [("c10d::allreduce_", 0.010, 0.011, None, 1), ("aten::add", 0.020, 0.021, None, 1),
+            ("c10d::recv_", 0.030, 0.031, None, 1), ("aten::mul", 0.040, 0.041, None, 1)]
+    other = [("aten::mm", 0.012, 0.018, None, 2)]  # another thread's work does not end the main thread's wait
+    a = attribute(main + other, window_s=0.050, steps=1)
+    assert a["comm"] == pytest.approx(0.010) and a["p2p"] == pytest.approx(0.010)
+    assert a["matmul"] == pytest.approx(0.006) and a["compute"] == pytest.approx(0.030)
+
+
 def _graph(name: str) -> ir.Graph:
     spec = build(name, batch=1, device="meta", seq=16)
     return ir.verify(ir.trace(spec.model, spec.example_inputs, frontend="fx", model_name=name))
