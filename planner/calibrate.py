@@ -61,8 +61,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 FIT_FACTORS = ("matmul", "vector", "memory", "overhead", "overlap")
-"""Device factors fitted by default (``overlap`` where the schema has it; collective factors are added for the
-collectives the plans run)."""
+"""Device factors fitted by default (``overlap`` where the schema has it); ``link.alpha``/``link.beta`` are added when
+the plans communicate (see :func:`calibrate`)."""
 _OBS = ("compute", "comm", "optimizer", "total")
 
 
