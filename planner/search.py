@@ -140,16 +140,22 @@ class _Tables:
     def key(tp: int, mb: int, lean: bool = False) -> tuple[int, int, bool]:
         return (tp, mb, lean and tp > 1)
 
-    def solve(self, key: tuple[int, int, bool]) -> LayerTable:
+    def solve(self, key: tuple[int, int, bool]) -> LayerTable | None:
+        """The intra-op table for ``key``; None when no sharding of some layer is valid at this tp (an op whose
+        every strategy is forbidden, e.g. channel counts tp does not divide): the search skips that tp."""
         tp, mb, lean = key
         graph = self.fused if tp == 1 else self.graph
-        sols = solve_graph(graph, tp=tp, cost=self.cost, tp_span=self.cost.span(tp, 1),
-                           dtype=self.options.dtype, micro_batch_scale=mb / self.trace_batch,
-                           options=self.lean_opts if lean else self.opts,
-                           requires_grad=self.requires_grad[id(graph)])
+        try:
+            sols = solve_graph(graph, tp=tp, cost=self.cost, tp_span=self.cost.span(tp, 1),
+                               dtype=self.options.dtype, micro_batch_scale=mb / self.trace_batch,
+                               options=self.lean_opts if lean else self.opts,
+                               requires_grad=self.requires_grad[id(graph)])
+        except ValueError as e:
+            log.info("no intra-op sharding at tp=%d micro-batch %d: %s", tp, mb, e)
+            return None
         return layer_table(graph, tuple(sols), tp, mb)
 
-    def get(self, tp: int, mb: int, lean: bool = False) -> LayerTable:
+    def get(self, tp: int, mb: int, lean: bool = False) -> LayerTable | None:
         key = self.key(tp, mb, lean)
         if key not in self._cache:
             self._cache[key] = self.solve(key)
@@ -164,13 +170,16 @@ class _Tables:
     def variants(self, tp: int, mb: int) -> list[tuple[bool, LayerTable]]:
         """The fastest sharding and, when it differs in parameter memory, the memory-lean one."""
         fast = self.get(tp, mb)
+        if fast is None:
+            return []
         if tp == 1:
             return [(False, fast)]
         lean = self.get(tp, mb, True)
-        return [(False, fast)] + ([(True, lean)] if sum(lean.params) < sum(fast.params) * 0.999 else [])
+        return [(False, fast)] + ([(True, lean)] if lean is not None and
+                                  sum(lean.params) < sum(fast.params) * 0.999 else [])
 
 
-def _solve_task(tables: _Tables, key: tuple[int, int, bool]) -> LayerTable:
+def _solve_task(tables: _Tables, key: tuple[int, int, bool]) -> LayerTable | None:
     return tables.solve(key)
 
 
@@ -322,11 +331,25 @@ def search(graph: Graph, profile: ClusterProfile, options: PlanOptions,
     if not plans:
         raise PlanInfeasibleError("every screened plan failed the exact memory check; try more nodes")
     plans.sort(key=lambda p: p.time.total)
+    plans = [_model_notes(p, graph) for p in plans]
     wall = time.perf_counter() - t0
     best = plans[0]
     best = replace(best, solver=replace(best.solver, wall_s=wall, candidates=count))
     log.info("searched %d candidates in %.2fs; best %s", count, wall, _describe(best))
     return SearchResult(best=best, alternatives=tuple(plans[1: options.top_k + 1]), screened=count, wall_s=wall)
+
+
+def _model_notes(plan: Plan, graph: Graph) -> Plan:
+    """What the plan changes about the model's own semantics, in one line each (BatchNorm statistics)."""
+    if not any(n.op == "batch_norm" for n in graph.nodes):
+        return plan
+    notes = []
+    if plan.mesh.dp > 1:
+        notes.append(f"BatchNorm statistics are per rank ({plan.global_batch // plan.mesh.dp} samples per replica, "
+                     "not the global batch); sync_batchnorm=True computes them over the data-parallel group")
+    if plan.num_microbatches > 1:
+        notes.append(f"BatchNorm statistics are per micro-batch of {plan.micro_batch} samples")
+    return replace(plan, notes=(*plan.notes, *notes)) if notes else plan
 
 
 def _describe(p: Plan) -> str:

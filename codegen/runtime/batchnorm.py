@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 __all__ = ["SyncBatchNorm", "sync_batch_norms", "has_batch_norm"]
 
@@ -51,9 +51,15 @@ class SyncBatchNorm(nn.Module):
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                 running_mean: torch.Tensor | None, running_var: torch.Tensor | None, training: bool, momentum: float,
                 eps: float, *rest: object) -> torch.Tensor:
-        if not training or isinstance(x, DTensor) or dist.get_world_size(self.group) == 1:
+        if not training or dist.get_world_size(self.group) == 1:
             return torch.ops.aten.batch_norm.default(x, weight, bias, running_mean, running_var, training, momentum,
                                                      eps, *rest)
+        if isinstance(x, DTensor):  # under tensor parallelism too: normalize whole channels, replicated over tp
+            mesh = x.device_mesh
+            y = self.forward(x.full_tensor(), *(t.full_tensor() if isinstance(t, DTensor) else t
+                                                for t in (weight, bias, running_mean, running_var)),
+                             training, momentum, eps, *rest)
+            return DTensor.from_local(y, mesh, [Replicate()] * mesh.ndim, run_check=False)
         dims = [0, *range(2, x.dim())]
         shape = [1, -1] + [1] * (x.dim() - 2)
         count = torch.full((1,), x.numel() / x.shape[1], dtype=x.dtype, device=x.device)

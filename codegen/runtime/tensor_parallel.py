@@ -225,7 +225,8 @@ class ChannelConv(nn.Module):
         groups = args[4] if len(args) > 4 else 1
         x = to_dtensor(x, mesh)
         if pl == Shard(0) and groups == 1:
-            xl = x.redistribute(mesh, [Replicate()]).to_local()
+            # each rank's input gradient covers its output channels only: partial sums, not a replicated value
+            xl = x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
             bl = b.redistribute(mesh, [Shard(0)]).to_local() if isinstance(b, DTensor) else \
                 (None if b is None else torch.chunk(b, mesh.size())[mesh.get_local_rank()])
             return DTensor.from_local(self.op(xl, w.to_local(), bl, *args), mesh, [Shard(1)], run_check=False)
@@ -252,13 +253,16 @@ class InplaceOnPlain(nn.Module):
         self.op = op
 
     def forward(self, target: Any, *args: Any, **kwargs: Any) -> Any:
-        whole = not isinstance(target, DTensor) or all(isinstance(p, Replicate) for p in target.placements)
-        if whole:  # a plain or replicated target: run the op on whole local tensors (exact; DTensor may lack a rule)
-            args = tuple(a.full_tensor() if isinstance(a, DTensor) else a for a in args)
-            kwargs = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in kwargs.items()}
-            self.op(target.to_local() if isinstance(target, DTensor) else target, *args, **kwargs)
-            return target
-        return self.op(target, *args, **kwargs)
+        if isinstance(target, DTensor):
+            try:
+                return self.op(target, *args, **kwargs)
+            except NotImplementedError:  # no DTensor rule: a replicated target is updated through its local tensor
+                if not all(isinstance(p, Replicate) for p in target.placements):
+                    raise
+        args = tuple(a.full_tensor() if isinstance(a, DTensor) else a for a in args)
+        kwargs = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in kwargs.items()}
+        self.op(target.to_local() if isinstance(target, DTensor) else target, *args, **kwargs)
+        return target
 
 
 def _inplace(n: fx.Node) -> bool:

@@ -1,0 +1,150 @@
+"""Models users bring, end to end with no wrapper (issue #16): Hugging Face GPT-2, Llama, Qwen2, Mixtral, BERT, T5,
+ViT and ResNet (ResNet-50's shape), built from tiny configs with their own initialization, called with keyword
+inputs and computing their own loss from ``labels``.  The planner plans each under pinned meshes; every plan trains
+5 SGD steps on gloo CPU ranks (float32) and each step's loss must match the single-process run of the caller's own
+model to 1e-5 relative.  ResNet trains with ``sync_batchnorm=True`` (BatchNorm statistics over the dp group); without
+it the plan says that statistics are per rank.
+
+At real sizes (meta device, nothing allocated): trace and plan GPT-2 124M, Llama-3 8B, BERT-base, ViT-base and
+ResNet-50 on 1 and 8 DGX H100 nodes, with exact parameter counts.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from autopar import ir
+from autopar.planner.options import PlanOptions
+from autopar.planner.search import search
+from autopar.profiles.builtin import load_builtin
+
+from harness import spawn
+from outside_models import REAL, TINY, B, real, tiny
+
+pytestmark = pytest.mark.multiprocess
+
+STEPS, LR, RTOL = 5, 0.02, 1e-5
+"""At lr 0.1 the tiny ResNet's training is chaotic: a 1e-7 relative change of its initial weights moves its fourth
+loss by 2e-4 in one process, so reduction-order rounding alone would fail a 1e-5 check; at 0.02 it stays ~1e-7."""
+MESHES_2 = {"dp2": dict(dp=2, tp=1, pp=1), "tp2": dict(dp=1, tp=2, pp=1), "pp2": dict(dp=1, tp=1, pp=2)}
+HYBRID = {"dp2-tp2": dict(dp=2, tp=2, pp=1), "pp2-tp2": dict(dp=1, tp=2, pp=2), "dp2-pp2": dict(dp=2, tp=1, pp=2)}
+HYBRID_OF = {"gpt2": "pp2-tp2", "llama": "pp2-tp2", "t5": "pp2-tp2", "qwen2": "dp2-tp2", "bert": "dp2-tp2",
+             "vit": "dp2-tp2", "resnet": "dp2-tp2", "mixtral": "dp2-pp2"}
+"""One 4-rank hybrid per model (a spawn of 4 ranks building every model's program is the suite's slowest step)."""
+NOT_RUN = {("mixtral", "tp2")}
+"""Mixtral's expert routing under tensor parallelism is not supported yet (dp, pp and dp x pp are)."""
+
+
+def _plan(graph: ir.Graph, mesh: dict[str, int]) -> ir.Plan:
+    world = mesh["dp"] * mesh["tp"] * mesh["pp"]
+    prof = dataclasses.replace(load_builtin("dgx-a100-80gb", nodes=1), devices_per_node=world)
+    return search(graph, prof, PlanOptions(global_batch=B, pins=dict(mesh), dtype="float32", workers=1, top_k=0)).best
+
+
+def _reference(name: str) -> list[float]:
+    model, batch = tiny(name)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        loss = model(**batch(step)).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return losses
+
+
+def _train(rank: int, cases: list[tuple[str, str, ir.Plan]]) -> dict[str, list[float] | str]:
+    from autopar.codegen.runtime.program import build_program
+
+    out: dict[str, list[float] | str] = {}
+    for name, mesh, plan in cases:
+        model, batch = tiny(name)
+        before = copy.deepcopy(model.state_dict())
+        prog = build_program(plan, model, example_inputs=batch(0), sync_batchnorm=True)
+        opt = torch.optim.SGD(prog.parameters(), lr=LR)
+        losses = []
+        for step in range(STEPS):
+            losses.append(prog.step(batch(step)))
+            opt.step()
+            opt.zero_grad()
+        untouched = all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+        out[f"{name}/{mesh}"] = losses if untouched else "the caller's model was modified"
+    return out
+
+
+@pytest.fixture(scope="module")
+def graphs() -> dict[str, ir.Graph]:
+    out = {}
+    for name in TINY:
+        model, batch = tiny(name)
+        out[name] = ir.trace(model, batch(0), model_name=name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, list[float]]:
+    return {name: _reference(name) for name in TINY}
+
+
+def _cases(graphs: dict[str, ir.Graph], meshes: dict[str, dict[str, int]] | None) -> list[tuple[str, str, ir.Plan]]:
+    """Every model under every mesh of ``meshes`` (None: each model's hybrid)."""
+    pairs = [(name, m) for name in graphs for m in (meshes or {HYBRID_OF[name]: None})]
+    return [(name, m, _plan(graphs[name], (meshes or HYBRID)[m])) for name, m in pairs if (name, m) not in NOT_RUN]
+
+
+def _check(results: dict[str, list[float] | str], refs: dict[str, list[float]]) -> None:
+    bad = []
+    for key, got in results.items():
+        ref = refs[key.split("/")[0]]
+        if isinstance(got, str) or any(abs(a - b) > RTOL * abs(b) for a, b in zip(got, ref)):
+            bad.append(f"{key}: {got} vs {ref}")
+    assert not bad, "\n".join(bad)
+
+
+def test_captured_with_export_and_keyword_inputs(graphs: dict[str, ir.Graph]) -> None:
+    for name, g in graphs.items():
+        model, _ = tiny(name)
+        assert g.frontend == "export", name
+        assert g.inputs[0] in ("input_ids", "pixel_values") and "labels" in g.inputs, (name, g.inputs)
+        own = {id(p): p.numel() for p in model.parameters()}
+        assert g.num_params == sum(own.values()), name
+
+
+def test_plans_have_their_mesh_and_shardings(graphs: dict[str, ir.Graph]) -> None:
+    for name, m, plan in _cases({k: graphs[k] for k in ("gpt2", "resnet")}, MESHES_2):
+        mesh = MESHES_2[m]
+        assert (plan.mesh.dp, plan.mesh.tp, plan.mesh.pp) == (mesh["dp"], mesh["tp"], mesh["pp"]), (name, m)
+        if mesh["tp"] > 1:
+            assert any(p.placement.startswith("S") for p in plan.param_shardings), (name, m, "no sharded weight")
+        if mesh["pp"] > 1:
+            assert len(plan.stages) == 2
+    dp_resnet = next(p for n, m, p in _cases({"resnet": graphs["resnet"]}, MESHES_2) if m == "dp2")
+    assert any("BatchNorm" in note and "per rank" in note for note in dp_resnet.notes), dp_resnet.notes
+
+
+def test_two_ranks_match_one_process(graphs: dict[str, ir.Graph], references: dict[str, list[float]]) -> None:
+    results = spawn(_train, 2, _cases(graphs, MESHES_2))
+    assert results[0] == results[1]
+    _check(results[0], references)
+
+
+def test_four_ranks_hybrid_match_one_process(graphs: dict[str, ir.Graph],
+                                             references: dict[str, list[float]]) -> None:
+    results = spawn(_train, 4, _cases(graphs, None))
+    _check(results[0], references)
+
+
+@pytest.mark.parametrize("name", sorted(REAL))
+def test_real_sizes_trace_and_plan_on_meta(name: str) -> None:
+    model, inputs, published = real(name)
+    graph = ir.trace(model, inputs, model_name=name)
+    assert graph.num_params == published == sum({id(p): p.numel() for p in model.parameters()}.values())
+    for nodes in (1, 8):
+        plan = search(graph, load_builtin("dgx-h100", nodes=nodes),
+                      PlanOptions(global_batch=64 * nodes, workers=1, top_k=0)).best
+        assert plan.world_size == 8 * nodes and plan.time.total > 0
