@@ -24,7 +24,7 @@ import torch
 
 from autopar import ir
 from autopar.ir.graph import Graph
-from autopar.ir.inputs import normalize
+from autopar.ir.inputs import batch_size, normalize
 from autopar.ir.plan import Plan, load_plan
 from autopar.ir.trace_cache import cache_root
 from autopar.planner.options import PlanOptions, parse_pins
@@ -162,9 +162,14 @@ class AutoParallel:
     def trace(self) -> Graph:
         """The model traced at batch 1 (see :func:`batch_one`), whatever batch the example inputs have."""
         if self._graph is None:
-            self._graph = ir.verify(ir.trace(self.model, batch_one(self.example_inputs),  # type: ignore[arg-type]
-                                             frontend=self.frontend,  # type: ignore[arg-type]
-                                             model_name=self.model_name or type(self.model).__name__))
+            name = self.model_name or type(self.model).__name__
+            graph = ir.trace(self.model, batch_one(self.example_inputs), frontend=self.frontend,  # type: ignore
+                             model_name=name)
+            if graph.frontend == "export" and batch_size(normalize(self.example_inputs)) > 1:
+                # torch.export specializes size-1 dimensions (a batch-1 graph drops broadcasts a larger batch
+                # needs), and the runtime captures these models again at the micro-batch: plan on the example batch
+                graph = ir.trace(self.model, self.example_inputs, frontend="export", model_name=name)
+            self._graph = ir.verify(graph)
         return self._graph
 
     def plan_options(self) -> PlanOptions:
