@@ -108,6 +108,17 @@ REAL: dict[str, tuple[Callable[[], tuple[torch.nn.Module, dict[str, Any]]], int]
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
         use_cache=False)), 8_030_261_248),
+    "mistral-7b": (_real_lm(transformers.MistralForCausalLM, transformers.MistralConfig(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768, sliding_window=None,
+        use_cache=False)), 7_241_732_096),
+    "mixtral-8x7b": (_real_lm(transformers.MixtralForCausalLM, transformers.MixtralConfig(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768, num_local_experts=8,
+        num_experts_per_tok=2, sliding_window=None, use_cache=False)), 46_702_792_704),
+    "t5-base": (_real_lm(transformers.T5ForConditionalGeneration, transformers.T5Config(
+        d_model=768, d_ff=3072, num_layers=12, num_heads=12, d_kv=64, vocab_size=32128, use_cache=False,
+        decoder_start_token_id=0, pad_token_id=0, max_position_embeddings=512)), 222_903_552),
     "bert-base": (_real_lm(transformers.BertForMaskedLM, transformers.BertConfig()), 109_514_298),
     "vit-base": (_real_image(transformers.ViTForImageClassification, transformers.ViTConfig(num_labels=1000)),
                  86_567_656),
