@@ -228,8 +228,13 @@ def solve_costs(num_choices: Sequence[int], node_cost: Sequence[Sequence[float]]
     solver.parameters.linearization_level = 2  # full LP relaxation of the edge rows/columns: proves optimality fast
     st = solver.solve(model)
     if st in (cp_model.INFEASIBLE, cp_model.MODEL_INVALID):
-        raise ValueError("the intra-op sharding problem is infeasible: no strategy assignment fits the activation "
-                         "budget; raise activation_budget_bytes, use more tensor parallelism, or recompute")
+        if budget is not None and mem is not None and budget != INF:
+            raise ValueError("the intra-op sharding problem is infeasible: no strategy assignment fits the "
+                             "activation budget; raise activation_budget_bytes, use more tensor parallelism, or "
+                             "recompute")
+        raise ValueError("the intra-op sharding problem is infeasible: no valid strategy assignment at this tensor-"
+                         "parallel degree (an op whose every sharding is forbidden, or no compatible neighbour "
+                         "shardings, e.g. a dimension tp does not divide)")
     if st == cp_model.UNKNOWN:  # time limit hit before any solution: fall back to the hint
         choices = list(hint) if hint is not None else [0] * len(num_choices)
         obj = evaluate_costs(node_cost, edges, choices, shared)

@@ -11,7 +11,7 @@ import torch
 
 import autopar.planner.intra_op.solve as intra_solve
 from autopar import ir
-from autopar.planner.intra_op.cpsat import IntraOpOptions, evaluate_costs, solve_costs
+from autopar.planner.intra_op.cpsat import INF, IntraOpOptions, evaluate_costs, solve_costs
 from autopar.planner.intra_op.rules import strategies_for
 from autopar.planner.intra_op.rules_shape import reshape_pairs
 from autopar.planner.intra_op.solve import solve_graph, solve_group
@@ -85,6 +85,16 @@ def test_core_infeasible_budget_raises() -> None:
     mem = [[1.0] * k for k in num]
     with pytest.raises(ValueError, match="budget"):
         solve_costs(num, node_cost, edges, mem=mem, budget=2.0)
+
+
+def test_core_infeasible_without_budget_names_the_sharding() -> None:
+    """Every choice of node 1 forbidden: the error says no valid sharding, not a budget that was never set."""
+    num, node_cost, edges = _random_instance(0)
+    node_cost = [list(c) for c in node_cost]
+    node_cost[1] = [INF] * num[1]
+    with pytest.raises(ValueError, match="no valid strategy assignment") as e:
+        solve_costs(num, node_cost, edges)
+    assert "budget" not in str(e.value)
 
 
 def test_time_limit_and_gap_reported() -> None:
