@@ -108,9 +108,15 @@ def _assign_groups(gm: fx.GraphModule, graph: ir.Graph) -> dict[fx.Node, int]:
             group_of_ir[n.name] = g.index
     nodes = list(gm.graph.nodes)
     missing = [n for n in group_of_ir if n not in {x.name for x in nodes}]
-    if missing:
+    if missing and graph.frontend != "export":
         raise ValueError(f"the model's capture does not match the given ir.Graph (nodes {missing[:3]} missing); "
                          "pass the graph traced from this model (ir.trace(model, inputs, frontend='fx'))")
+    if missing:
+        # torch.export specializes size-1 dimensions, so a capture at micro-batch 1 can drop or rename a few nodes
+        # of a graph traced at a larger batch (broadcasts, copies): the rest still place the stage cuts, and the
+        # plan's pins on the missing nodes are only skipped (DTensor keeps the values exact)
+        log.info("the capture at the run's micro-batch lacks %d node(s) of the plan's graph, e.g. %s", len(missing),
+                 missing[:3])
     out: dict[fx.Node, int] = {}
     for n in reversed(nodes):
         if n.op == "output":
@@ -125,6 +131,9 @@ def _assign_groups(gm: fx.GraphModule, graph: ir.Graph) -> dict[fx.Node, int]:
                 out[n] = min(users)
             elif n.users:
                 out[n] = len(graph.layers) - 1
+    for n in nodes:  # never before an input (a node matched by name in a capture at another batch)
+        if n in out and n.op != "placeholder":
+            out[n] = max([out[n], *(out[a] for a in n.all_input_nodes if a in out and a.op != "get_attr")])
     return out
 
 
