@@ -90,11 +90,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from autopar.planner.search import search
 
     profile = resolve_cluster(args.cluster, args.nodes)
-    graph = _trace(args.model, args.seq, cache=not args.no_cache)
     workers = {} if args.workers is None else {"workers": args.workers}
     opts = PlanOptions(global_batch=args.global_batch, pins=parse_pins(args.pin), dtype=args.dtype,
                        top_k=args.top_k, intra_op_time_limit_s=args.time_limit, seed=args.seed,
                        fused_kernels=not args.no_fused_kernels, **workers)
+    graph = _trace(args.model, args.seq, cache=not args.no_cache)  # after every argument is checked
     result = search(graph, profile, opts, progress=None if args.quiet else _progress_printer())
     print(render_plan(result.best, graph=graph), end="")
     if result.alternatives:
@@ -131,8 +131,10 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     from autopar.planner.report import explain_node
 
     plan = load_plan(args.plan)
-    graph = None if args.no_alternatives else _trace(plan.model)
-    print(explain_node(plan, args.node, graph=graph))
+    text = explain_node(plan, args.node)  # an unknown node fails here, before the model is traced
+    if not args.no_alternatives and plan.mesh.tp > 1:
+        text = explain_node(plan, args.node, graph=_trace(plan.model))
+    print(text)
     return 0
 
 
@@ -192,12 +194,13 @@ def _cmd_replan(args: argparse.Namespace) -> int:
     from autopar.planner.search import search
 
     old = load_plan(args.plan)
-    graph = _trace(args.model or old.model)
-    old.check_compatible(fingerprint=graph.fingerprint)
+    # every argument is checked before the model is traced (seconds to minutes for a large model)
     profile = resolve_cluster(args.cluster or old.cluster, args.nodes)
     pins = parse_pins(args.pin) if args.pin else {}
     opts = PlanOptions(global_batch=args.global_batch or old.global_batch, pins=pins, dtype=old.dtype,  # type: ignore
                        fused_kernels=old.fused_kernels)
+    graph = _trace(args.model or old.model)
+    old.check_compatible(fingerprint=graph.fingerprint)
     new = search(graph, profile, opts).best
     print(diff_plans(old, new), end="")
     out = args.output or str(Path(args.plan).with_suffix("")) + f".{args.nodes}n.yaml"
@@ -261,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     df.set_defaults(func=_cmd_diff)
 
     pr = sub.add_parser("profile", help="measure this machine into a cluster profile")
-    from autopar.profiles.profiler import build_parser as profile_args
+    from autopar.profiles.profiler_args import build_parser as profile_args
 
     profile_args(pr)
     pr.set_defaults(func=_cmd_profile)

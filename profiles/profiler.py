@@ -25,7 +25,6 @@ The result has ``nodes = 1`` and ``devices_per_node = ranks`` and no ``inter_nod
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -45,6 +44,7 @@ import torch.multiprocessing as mp
 
 from autopar.profiles.cost import collective_factor
 from autopar.profiles.fit import busbw_from_beta, fit_alpha_beta
+from autopar.profiles.profiler_args import build_parser
 from autopar.profiles.schema import SCHEMA_VERSION, ClusterProfile, profile_from_dict, save_profile
 
 __all__ = [
@@ -427,18 +427,6 @@ def run_profile_command(
     save_profile(prof, output)
     log.info("wrote %s", output)
     return prof
-
-
-def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    """Arguments of ``autopar profile`` (adds to ``parser`` if given, e.g. a CLI subparser)."""
-    p = parser or argparse.ArgumentParser(prog="autopar profile", description="Measure this machine's profile.")
-    p.add_argument("-o", "--output", required=True, help="profile YAML to write")
-    p.add_argument("--ranks", type=int, default=None, help="local ranks (default: #GPUs, or 2 on CPU)")
-    p.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
-    p.add_argument("--backend", choices=("gloo", "nccl"), default=None, help="default: nccl on CUDA, else gloo")
-    p.add_argument("--name", default=None, help="profile name")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:

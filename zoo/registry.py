@@ -1,6 +1,6 @@
 """The model-zoo registry: ``build(name, ...) -> ModelSpec`` and ``list_models()``.
 
-Sizes are hard-coded here with the paper each one comes from. ``build`` also accepts ``"package.module:factory"``
+Sizes live in :mod:`autopar.zoo.catalog` (torch-free) with the paper each one comes from. ``build`` also accepts ``"package.module:factory"``
 for user models: the factory is called with whichever of ``batch``, ``device``, ``dtype``, ``seq``, ``seed`` it
 accepts and may return a ``ModelSpec``, an ``nn.Module`` (inputs then come from its ``example_inputs(batch,
 device)`` method if it has one) or a ``(module, example_inputs)`` pair.
@@ -9,18 +9,18 @@ device)`` method if it has one) or a ``(module, example_inputs)`` pair.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import importlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from autopar.zoo._init import materialize
+from autopar.zoo.catalog import SIZES, Family, list_models, unknown_model
 from autopar.zoo.gpt import GPT, GPTConfig
 from autopar.zoo.llama import Llama, LlamaConfig
 from autopar.zoo.mlp import MLPConfig, MLPModel
@@ -30,7 +30,6 @@ from autopar.zoo.wrn import WideResNet, WRNConfig
 __all__ = ["ModelSpec", "Family", "build", "list_models", "get_config", "lm_loss", "classification_loss",
            "regression_loss"]
 
-Family = Literal["gpt", "llama", "moe", "wrn", "mlp", "custom"]
 ZooConfig = GPTConfig | LlamaConfig | MoEConfig | WRNConfig | MLPConfig
 
 
@@ -61,81 +60,24 @@ class ModelSpec:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Sizes
+# Sizes (the table lives in autopar.zoo.catalog, which does not import torch)
 # ---------------------------------------------------------------------------------------------------------------------
-def _gpt(layers: int, hidden: int, heads: int, seq: int, vocab: int) -> GPTConfig:
-    return GPTConfig(layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=vocab)
-
-
-_GPT2_V, _GPT3_V, _SC21_V = 50257, 50257, 51200
-_CONFIGS: dict[str, tuple[Family, ZooConfig]] = {
-    # GPT-2: Radford et al. 2019, "Language Models are Unsupervised Multitask Learners", Table 2 (context 1024).
-    "gpt2-small": ("gpt", _gpt(12, 768, 12, 1024, _GPT2_V)),
-    "gpt2-medium": ("gpt", _gpt(24, 1024, 16, 1024, _GPT2_V)),
-    "gpt2-large": ("gpt", _gpt(36, 1280, 20, 1024, _GPT2_V)),
-    "gpt2-xl": ("gpt", _gpt(48, 1600, 25, 1024, _GPT2_V)),
-    # GPT-3: Brown et al. 2020, "Language Models are Few-Shot Learners", Table 2.1 (n_ctx 2048).
-    # Two printed values are not self-consistent and are fixed to d_head 128 as in the table's d_head column:
-    # GPT-3 XL lists 24 heads with d_model 2048 (-> 16 heads), GPT-3 13B lists d_model 5140 with 40 heads (-> 5120).
-    "gpt3-1.3b": ("gpt", _gpt(24, 2048, 16, 2048, _GPT3_V)),
-    "gpt3-2.7b": ("gpt", _gpt(32, 2560, 32, 2048, _GPT3_V)),
-    "gpt3-6.7b": ("gpt", _gpt(32, 4096, 32, 2048, _GPT3_V)),
-    "gpt3-13b": ("gpt", _gpt(40, 5120, 40, 2048, _GPT3_V)),
-    "gpt3-175b": ("gpt", _gpt(96, 12288, 96, 2048, _GPT3_V)),
-    # Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"
-    # (SC'21), Table 1: seq 2048, vocab 51200. Names carry the paper's parameter counts.
-    "megatron-1.7b": ("gpt", _gpt(24, 2304, 24, 2048, _SC21_V)),
-    "megatron-3.6b": ("gpt", _gpt(30, 3072, 32, 2048, _SC21_V)),
-    "megatron-7.5b": ("gpt", _gpt(36, 4096, 32, 2048, _SC21_V)),
-    "megatron-18.4b": ("gpt", _gpt(40, 6144, 48, 2048, _SC21_V)),
-    "megatron-39.1b": ("gpt", _gpt(48, 8192, 64, 2048, _SC21_V)),
-    "megatron-76.1b": ("gpt", _gpt(60, 10240, 80, 2048, _SC21_V)),
-    "megatron-145.6b": ("gpt", _gpt(80, 12288, 96, 2048, _SC21_V)),
-    "megatron-310.1b": ("gpt", _gpt(96, 16384, 128, 2048, _SC21_V)),
-    "megatron-529.6b": ("gpt", _gpt(105, 20480, 128, 2048, _SC21_V)),
-    "megatron-1008b": ("gpt", _gpt(128, 25600, 160, 2048, _SC21_V)),
-    "gpt-tiny": ("gpt", _gpt(2, 64, 4, 32, 128)),
-    # Llama 3: Grattafiori et al. 2024, "The Llama 3 Herd of Models", Table 3 (vocab 128256, RoPE theta 500000,
-    # pre-training context 8192).
-    "llama3-8b": ("llama", LlamaConfig(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256,
-                                       seq=8192)),
-    "llama3-70b": ("llama", LlamaConfig(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256,
-                                        seq=8192)),
-    "llama3-405b": ("llama", LlamaConfig(layers=126, hidden=16384, heads=128, kv_heads=8, ffn=53248,
-                                         vocab=128256, seq=8192)),
-    "llama-tiny": ("llama", LlamaConfig(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=128, seq=32)),
-    # Top-2 MoE (GShard/Mixtral-style routing): 8 experts on a GPT-3 XL (1.3B) backbone, ~7.0B params in total.
-    "moe-8x1b": ("moe", MoEConfig(layers=24, hidden=2048, heads=16, seq=2048, vocab=_GPT3_V, experts=8)),
-    "moe-tiny": ("moe", MoEConfig(layers=2, hidden=64, heads=4, seq=32, vocab=128, experts=4)),
-    # Wide-ResNet: Zagoruyko & Komodakis 2016, WRN-50-2 / WRN-101-2 (ImageNet, 224x224).
-    "wrn-50-2": ("wrn", WRNConfig(blocks=(3, 4, 6, 3))),
-    "wrn-101-2": ("wrn", WRNConfig(blocks=(3, 4, 23, 3))),
-    "wrn-tiny": ("wrn", WRNConfig(blocks=(1, 1, 1, 1), base=8, classes=10, image=32)),
-    "mlp-tiny": ("mlp", MLPConfig(layers=2, hidden=64, in_features=32, out_features=16)),
-    "mlp-large": ("mlp", MLPConfig(layers=8, hidden=8192, in_features=8192, out_features=8192)),
-}
+_CONFIG_TYPES: dict[str, type] = {"gpt": GPTConfig, "llama": LlamaConfig, "moe": MoEConfig, "wrn": WRNConfig,
+                                  "mlp": MLPConfig}
+_CONFIGS: dict[str, tuple[Family, ZooConfig]] = {name: (fam, _CONFIG_TYPES[fam](**kw)) for name, (fam, kw) in
+                                                 SIZES.items()}
 
 _CONSTRUCTORS: dict[str, Callable[[Any], nn.Module]] = {
     "gpt": GPT, "llama": Llama, "moe": MoEGPT, "wrn": WideResNet, "mlp": MLPModel,
 }
 
 
-def list_models() -> list[str]:
-    """Names of the built-in models, in registry order."""
-    return list(_CONFIGS)
-
-
-def _unknown(name: str) -> ValueError:
-    close = difflib.get_close_matches(name, list(_CONFIGS), n=3, cutoff=0.5)
-    hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
-    return ValueError(f"unknown model {name!r}{hint}; built-in models: {', '.join(_CONFIGS)}, "
-                      f"or give 'package.module:factory'")
 
 
 def get_config(name: str) -> ZooConfig:
     """The frozen config of a built-in model, without building it."""
     if name not in _CONFIGS:
-        raise _unknown(name)
+        raise unknown_model(name)
     return _CONFIGS[name][1]
 
 
@@ -203,7 +145,7 @@ def build(name: str, *, batch: int = 8, device: torch.device | str = "meta", dty
     if ":" in name:
         return _build_custom(name, batch=batch, device=device, dtype=dtype, seq=seq, seed=seed)
     if name not in _CONFIGS:
-        raise _unknown(name)
+        raise unknown_model(name)
     family, cfg = _CONFIGS[name]
     if seq is not None:
         if family not in ("gpt", "llama", "moe"):
