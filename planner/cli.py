@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-__all__ = ["main", "build_parser"]
+__all__ = ["build_parser", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -41,21 +42,18 @@ def _trace(name: str, seq: int | None = None, frontend: str = "auto", cache: boo
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
-    from rich.table import Table
-
-    from autopar.planner.report import render_tables
+    from autopar.planner.tables import render, table
 
     graph = _trace(args.model, args.seq, args.frontend, cache=not args.no_cache)
     s = graph.summary()
-    t = Table(title=f"{args.model}: traced with {s['frontend']} (batch 1)", show_header=False)
-    t.add_row("nodes", str(s["nodes"]))
-    t.add_row("parameters", f"{s['params']:,} ({s['param_bytes'] / 2**30:.2f} GiB fp32)")
-    t.add_row("training FLOPs / sample", f"{s['train_flops']:.4g} (matmul {s['matmul_train_flops']:.4g})")
-    t.add_row("layer groups", f"{s['layer_groups']} ({s['repeated_blocks']} blocks, {s['distinct_blocks']} distinct)")
-    t.add_row("op kinds", ", ".join(f"{k}={v}" for k, v in s["op_kinds"].items()))
-    t.add_row("unknown ops", ", ".join(s["unknown_ops"]) or "none")
-    t.add_row("fingerprint", s["fingerprint"])
-    print(render_tables(t), end="")
+    rows = [("nodes", str(s["nodes"])),
+            ("parameters", f"{s['params']:,} ({s['param_bytes'] / 2**30:.2f} GiB fp32)"),
+            ("training FLOPs / sample", f"{s['train_flops']:.4g} (matmul {s['matmul_train_flops']:.4g})"),
+            ("layer groups", f"{s['layer_groups']} ({s['repeated_blocks']} blocks, {s['distinct_blocks']} distinct)"),
+            ("op kinds", ", ".join(f"{k}={v}" for k, v in s["op_kinds"].items())),
+            ("unknown ops", ", ".join(s["unknown_ops"]) or "none"),
+            ("fingerprint", s["fingerprint"])]
+    print(render(table(f"{args.model}: traced with {s['frontend']} (batch 1)", ["", ""], rows, header=False)), end="")
     return 0
 
 
@@ -86,7 +84,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from autopar.ir.plan import dump_plan
     from autopar.planner.api import resolve_cluster
     from autopar.planner.options import PlanOptions, parse_pins
-    from autopar.planner.report import render_plan
+    from autopar.planner.report import alternatives_table, render_plan
     from autopar.planner.search import search
 
     profile = resolve_cluster(args.cluster, args.nodes)
@@ -97,13 +95,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     graph = _trace(args.model, args.seq, cache=not args.no_cache)  # after every argument is checked
     result = search(graph, profile, opts, progress=None if args.quiet else _progress_printer())
     print(render_plan(result.best, graph=graph), end="")
-    if result.alternatives:
-        print("alternatives:")
-        for i, p in enumerate(result.alternatives, 1):
-            print(f"  {i}. pp={p.mesh.pp} dp={p.mesh.dp} tp={p.mesh.tp} mb={p.micro_batch}x{p.num_microbatches} "
-                  f"{p.schedule}{'/v' + str(p.virtual_stages) if p.virtual_stages > 1 else ''} zero={p.zero} "
-                  f"recompute={'/'.join(sorted({s.recompute for s in p.stages}))}: {p.time.total:.4g} s/iter "
-                  f"({result.best.time.total / p.time.total:.2f}x of best)")
+    alternatives = alternatives_table(result.best, result.alternatives)
+    print("\n" + alternatives if alternatives else "", end="")
     if args.output:
         dump_plan(result.best, args.output)
         print(f"wrote {args.output}")
@@ -156,7 +149,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from autopar.planner.run.torchrun import check_checkpoint_dir, run_plan
+    from autopar.planner.run.torchrun import check_checkpoint_dir, checkpoint_lock, run_plan
 
     worker: list[str] = ["--data", args.data]
     if args.step_hook:
@@ -168,22 +161,24 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
         ckpt = str(Path(args.checkpoint_dir).resolve())
         CheckpointOptions(root=ckpt, every=args.save_every, keep=args.keep)  # validates before launching
-        start = check_checkpoint_dir(ckpt, args.resume)
-        if start is not None and start > args.steps:
-            raise ValueError(f"the checkpoint in {ckpt} is at step {start}, beyond --steps {args.steps}")
         worker += ["--checkpoint-dir", ckpt, "--save-every", str(args.save_every), "--keep", str(args.keep)]
         worker += ["--resume"] if args.resume else []
     elif args.resume or args.save_every:
         raise ValueError("--resume and --save-every need --checkpoint-dir")
     elif args.max_restarts:
         log.warning("--max-restarts without --checkpoint-dir: a restarted group trains again from step 0")
-    try:
-        return int(run_plan(args.plan, args.model, steps=args.steps, nproc=args.nproc,
-                            extra_torchrun_args=args.torchrun_args or [], worker_args=worker,
-                            max_restarts=args.max_restarts, timeout_s=args.timeout))
-    except TimeoutError as e:
-        print(f"autopar: error: {e}", file=sys.stderr)
-        return 124
+    with checkpoint_lock(ckpt if args.checkpoint_dir else None):  # a second run on the directory fails here, at once
+        if args.checkpoint_dir:
+            start = check_checkpoint_dir(ckpt, args.resume)
+            if start is not None and start > args.steps:
+                raise ValueError(f"the checkpoint in {ckpt} is at step {start}, beyond --steps {args.steps}")
+        try:
+            return int(run_plan(args.plan, args.model, steps=args.steps, nproc=args.nproc,
+                                extra_torchrun_args=args.torchrun_args or [], worker_args=worker,
+                                max_restarts=args.max_restarts, timeout_s=args.timeout))
+        except TimeoutError as e:
+            print(f"autopar: error: {e}", file=sys.stderr)
+            return 124
 
 
 def _cmd_replan(args: argparse.Namespace) -> int:

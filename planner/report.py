@@ -1,43 +1,31 @@
-"""Human-readable views of plans: ``autopar show``, ``explain``, ``diff`` and the schedule trace."""
+"""Human-readable views of plans: ``autopar show``, ``explain``, ``diff``, the alternatives ``autopar plan`` lists, and
+the schedule trace (:mod:`autopar.planner.timeline`). Tables go through :mod:`autopar.planner.tables` (terminal
+width, wrapped not truncated, empty columns dropped)."""
 
 from __future__ import annotations
 
-import io
+import difflib
 import json
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-from rich.table import Table
-
 from autopar.ir.graph import Graph
 from autopar.ir.plan import Plan
 from autopar.ir.serialize import to_data
+from autopar.planner.tables import fmt_bytes, fmt_sig, fmt_time, render, table
 
-__all__ = ["render_tables", "render_plan", "explain_node", "diff_plans", "schedule_trace", "fmt_bytes", "fmt_time"]
-
-
-def fmt_bytes(b: float) -> str:
-    for unit, div in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(b) >= div:
-            return f"{b / div:.2f} {unit}"
-    return f"{b:.0f} B"
+__all__ = ["alternatives_table", "decisions", "diff_plans", "distinct_alternatives", "explain_node", "fmt_bytes",
+           "fmt_time", "models_differ", "module_ranges", "render_plan", "render_tables", "schedule_trace"]
 
 
-def fmt_time(s: float) -> str:
-    if s >= 1:
-        return f"{s:.3f} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.2f} ms"
-    return f"{s * 1e6:.1f} us"
+def render_tables(*tables: Any, width: int | None = None) -> str:
+    """Plain text of ``tables`` at ``width`` columns (default: the terminal's)."""
+    return render(*tables, width=width)
 
 
-def render_tables(*tables: Any, width: int = 120) -> str:
-    buf = io.StringIO()
-    con = Console(file=buf, width=width, force_terminal=False, color_system=None)
-    for t in tables:
-        con.print(t)
-    return buf.getvalue()
+def module_ranges(modules: tuple[str, ...]) -> str:
+    """'<prefix>, blocks.0-11' style summary of a stage's modules."""
+    return _ranges(modules)
 
 
 def _ranges(modules: tuple[str, ...]) -> str:
@@ -65,75 +53,76 @@ def _fmt_run(run: list[str]) -> str:
     return run[0] if a == b else f"{head}.{a}-{b}"
 
 
-def render_plan(plan: Plan, *, graph: Graph | None = None, width: int = 120) -> str:
-    """Tables: summary, time breakdown, stages with memory, tensor-parallel shardings."""
+def render_plan(plan: Plan, *, graph: Graph | None = None, width: int | None = None) -> str:
+    """Tables: summary, time breakdown, stages with memory, tensor-parallel shardings (``width``: the terminal's)."""
+    del graph  # accepted for callers that have it; everything shown comes from the plan
     m = plan.mesh
-    head = Table(title=f"autopar plan: {plan.model} on {plan.nodes} x {plan.devices_per_node} ({plan.cluster})",
-                 show_header=False)
-    head.add_row("mesh", f"pp={m.pp} dp={m.dp} tp={m.tp}  ({plan.world_size} devices)")
-    head.add_row("batch", f"global {plan.global_batch} = micro-batch {plan.micro_batch} x {plan.num_microbatches} "
-                          f"micro-batches x dp {m.dp}")
-    sched = plan.schedule + (f" (v={plan.virtual_stages})" if plan.virtual_stages > 1 else "")
-    head.add_row("schedule", sched)
-    head.add_row("ZeRO / recompute", f"ZeRO-{plan.zero} / " + ", ".join(sorted({s.recompute for s in plan.stages})))
-    head.add_row("dtype", plan.dtype)
-    head.add_row("throughput", f"{plan.samples_per_s:.2f} samples/s, {plan.tflops_per_device:.1f} TFLOP/s per "
-                               f"device, MFU {plan.mfu:.1%}")
+    head = [("mesh", f"pp={m.pp} dp={m.dp} tp={m.tp}  ({plan.world_size} devices)"),
+            ("batch", (f"global {plan.global_batch} = micro-batch {plan.micro_batch} x {plan.num_microbatches} "
+                      f"micro-batches x dp {m.dp}")),
+            ("schedule", plan.schedule + (f" (v={plan.virtual_stages})" if plan.virtual_stages > 1 else "")),
+            ("ZeRO / recompute", f"ZeRO-{plan.zero} / " + ", ".join(sorted({s.recompute for s in plan.stages}))),
+            ("dtype", plan.dtype),
+            ("throughput", (f"{fmt_sig(plan.samples_per_s, 4)} samples/s, {fmt_sig(plan.tflops_per_device)} TFLOP/s "
+                           f"per device, MFU {fmt_sig(plan.mfu * 100)}%"))]
     s = plan.solver
-    head.add_row("search", f"{s.candidates} candidates in {s.wall_s:.2f} s; intra-op {s.status}, gap {s.gap:.2%}")
+    head.append(("search", f"{s.candidates} candidates in {s.wall_s:.2f} s; intra-op {s.status}, gap {s.gap:.2%}"))
     if plan.pins:
-        head.add_row("pins", ", ".join(plan.pins))
-    for n in plan.notes:
-        head.add_row("note", n)
+        head.append(("pins", ", ".join(plan.pins)))
+    head.extend(("note", n) for n in plan.notes)
+    tables: list[Any] = [table(f"autopar plan: {plan.model} on {plan.nodes} x {plan.devices_per_node} "
+                               f"({plan.cluster})", ["", ""], head, header=False)]
     t = plan.time
-    tt = Table(title=f"iteration time {fmt_time(t.total)}")
-    for c in ("compute", "contention", "exposed comm", "of which dp", "bubble", "optimizer"):
-        tt.add_column(c, justify="right")
     tot = t.total or 1.0
-    tt.add_row(*(f"{fmt_time(v)} ({v / tot:.0%})" for v in (t.compute, t.contention, t.exposed_comm, t.dp_exposed,
-                                                             t.bubble, t.optimizer)))
-    st = Table(title="stages (memory per device of the stage's pipeline rank)")
-    for c in ("stage", "rank", "layers", "recompute", "fwd/mb", "bwd/mb", "model state", "activations", "other",
-              "total"):
-        st.add_column(c, justify="left" if c in ("layers", "recompute") else "right",
-                      no_wrap=c in ("layers", "recompute", "fwd/mb", "bwd/mb", "model state", "activations", "other", "total"))
+    parts = (("compute", t.compute), ("overlap contention", t.contention), ("exposed communication", t.exposed_comm),
+             ("  of which data parallel", t.dp_exposed), ("pipeline bubble", t.bubble), ("optimizer step", t.optimizer))
+    tables.append(table(f"iteration time {fmt_time(t.total)}", ["", ("time", "right"), ("share", "right")],
+                        [[name, fmt_time(v), f"{v / tot:.0%}"] for name, v in parts if v > 0], header=False))
+    many = len(plan.stages) > 1
+    rows = []
     for sp in plan.stages:
         mem = sp.memory
         share = f" ({mem.total / mem.capacity:.0%})" if mem.capacity else ""
-        st.add_row(str(sp.index), str(sp.index % m.pp), _ranges(sp.modules), sp.recompute, fmt_time(sp.fwd_s),
-                   fmt_time(sp.bwd_s), fmt_bytes(mem.params + mem.grads + mem.optimizer),
-                   fmt_bytes(mem.activations), fmt_bytes(mem.other), fmt_bytes(mem.total) + share)
-    tables: list[Any] = [head, tt, st]
+        rows.append([str(sp.index) if many else "", str(sp.index % m.pp) if plan.virtual_stages > 1 else "",
+                     _ranges(sp.modules), sp.recompute, fmt_time(sp.fwd_s), fmt_time(sp.bwd_s),
+                     fmt_bytes(mem.params + mem.grads + mem.optimizer), fmt_bytes(mem.activations),
+                     fmt_bytes(mem.other) if mem.other else "", fmt_bytes(mem.total) + share])
+    cols = ["stage", ("pp rank", "right"), "layers", "recompute", ("fwd/mb", "right"), ("bwd/mb", "right"),
+            ("model state", "right"), ("activations", "right"), ("other", "right"), ("total", "right")]
+    tables.append(table("stages (memory per device of the stage's pipeline rank)" if many else
+                        "the model on each device (one pipeline stage)", cols, rows))
     if plan.param_shardings:
-        ps = Table(title=f"tensor-parallel parameter shardings (tp={m.tp}; others replicated)")
-        ps.add_column("parameter")
-        ps.add_column("placement")
-        for p in plan.param_shardings:
-            ps.add_row(p.pattern, p.placement)
-        tables.append(ps)
+        tables.append(table(f"tensor-parallel parameter shardings (tp={m.tp}; others replicated)",
+                            ["parameter", "placement"], [[p.pattern, p.placement] for p in plan.param_shardings]))
     comm_ops = [o for o in plan.op_shardings if o.comm]
     if comm_ops:
-        ct = Table(title="resharding collectives (one of each distinct layer)")
-        for c in ("node", "op", "strategy", "inputs", "output", "collective", "time/mb"):
-            ct.add_column(c)
-        for o in comm_ops:
-            ct.add_row(o.node, o.op, o.strategy, " ".join(o.inputs), o.output, o.comm, fmt_time(o.comm_s))
-        tables.append(ct)
-    return render_tables(*tables, width=width)
+        tables.append(table("resharding collectives (one of each distinct layer)",
+                            ["node", "op", "strategy", "inputs", "output", "collective", ("time/mb", "right")],
+                            [[o.node, o.op, o.strategy, " ".join(o.inputs), o.output, _comm(o.comm), fmt_time(o.comm_s)]
+                             for o in comm_ops]))
+    return render(*tables, width=width)
+
+
+def _comm(comm: str) -> str:
+    """'bwd:all_reduce,fwd:all_gather' -> 'bwd: all_reduce, fwd: all_gather' (breakable between words)."""
+    return ", ".join(c.replace(":", ": ") for c in comm.split(","))
 
 
 def explain_node(plan: Plan, node: str, *, graph: Graph | None = None) -> str:
     """Why a node got its sharding: the chosen strategy, its cost, and (with the graph) the alternatives."""
     found = [o for o in plan.op_shardings if o.node == node]
     if not found:
-        known = ", ".join(sorted({o.node for o in plan.op_shardings})[:30])
-        raise ValueError(f"node {node!r} is not in the plan's op shardings (ops of repeated blocks are listed once, "
-                         f"under the first block's names); known nodes include: {known}")
+        names = sorted({o.node for o in plan.op_shardings})
+        close = difflib.get_close_matches(node, names, n=3, cutoff=0.6)
+        hint = f"did you mean {', '.join(close)}? " if close else ""
+        raise ValueError(f"node {node!r} is not in the plan's op shardings of model {plan.model} ({hint}ops of "
+                         f"repeated blocks are listed once, under the first block's names); known nodes include: "
+                         f"{', '.join(names[:30])}")
     o = found[0]
     lines = [f"{o.node} ({o.op}): {o.strategy}",
              f"  consumes inputs as {', '.join(o.inputs) or '-'}, produces {o.output}",
-             f"  compute {fmt_time(o.compute_s)} per micro-batch (fwd+bwd, one device), "
-             f"resharding {fmt_time(o.comm_s)}{' via ' + o.comm if o.comm else ''}"]
+             (f"  compute {fmt_time(o.compute_s)} per micro-batch (fwd+bwd, one device), "
+             f"resharding {fmt_time(o.comm_s)}{' via ' + o.comm if o.comm else ''}")]
     if graph is not None and plan.mesh.tp > 1:
         lines.append("  alternatives (same costs, same tp group):")
         lines.extend("    " + alt for alt in _alternatives(plan, graph, node))
@@ -168,8 +157,19 @@ def _alternatives(plan: Plan, graph: Graph, node: str) -> list[str]:
     return out
 
 
-def diff_plans(a: Plan, b: Plan) -> str:
-    """Field-by-field differences between two plans (stage lists and shardings summarized)."""
+def models_differ(a: Plan, b: Plan) -> str:
+    """Why ``a`` and ``b`` are plans of different models ('' when they are of the same traced graph)."""
+    if a.model != b.model:
+        return f"A is a plan of {a.model}, B of {b.model}"
+    if a.graph_fingerprint != b.graph_fingerprint:
+        return (f"both plan {a.model} but of different graphs (fingerprints {a.graph_fingerprint[:12]} vs "
+                f"{b.graph_fingerprint[:12]}: another sequence length or model version)")
+    return ""
+
+
+def diff_plans(a: Plan, b: Plan, *, width: int | None = None) -> str:
+    """Field-by-field differences between two plans (stage lists and shardings summarized); plans of different
+    models get a warning first and no speed ratio, which would compare different work."""
     da, db = to_data(a), to_data(b)
     rows: list[tuple[str, str, str]] = []
 
@@ -185,34 +185,100 @@ def diff_plans(a: Plan, b: Plan) -> str:
             rows.append((path, _short(x), _short(y)))
 
     walk(da, db, "")
-    t = Table(title="plan differences")
-    t.add_column("field")
-    t.add_column("A")
-    t.add_column("B")
-    for r in rows:
-        t.add_row(*r)
-    speed = a.time.total / b.time.total if b.time.total else float("nan")
-    summary = (f"A: {fmt_time(a.time.total)}/iteration, B: {fmt_time(b.time.total)}/iteration "
-               f"(B is {speed:.2f}x the speed of A)")
-    return render_tables(t) + summary + "\n" if rows else "the plans are identical\n"
+    if not rows:
+        return "the plans are identical\n"
+    other = models_differ(a, b)
+    warning = f"warning: {other}; times and speeds are not comparable\n" if other else ""
+    t = table("plan differences", ["field", "A", "B"], rows)
+    if other:
+        summary = (f"A: {fmt_time(a.time.total)}/iteration of {a.model}, "
+                   f"B: {fmt_time(b.time.total)}/iteration of {b.model}")
+    else:
+        speed = a.time.total / b.time.total if b.time.total else float("nan")
+        summary = (f"A: {fmt_time(a.time.total)}/iteration, B: {fmt_time(b.time.total)}/iteration "
+                   f"(B is {speed:.3g}x the speed of A)")
+    return warning + render(t, width=width) + summary + "\n"
 
 
 def _short(x: Any) -> str:
     if isinstance(x, float):
         return f"{x:.6g}"
-    s = json.dumps(x) if not isinstance(x, str) else x
-    return s if len(s) <= 60 else s[:57] + "..."
+    return json.dumps(x) if not isinstance(x, str) else x
 
 
 def schedule_trace(plan: Plan, path: str | Path) -> int:
-    """Write the simulated pipeline schedule of ``plan`` as Chrome-trace JSON; returns the number of events."""
-    from autopar.planner.inter_op.schedule import chrome_trace, simulate
+    """Write the simulated iteration of ``plan`` as Chrome-trace JSON (:mod:`autopar.planner.timeline`); returns
+    the number of events."""
+    from autopar.planner.timeline import schedule_trace as write
 
-    fwd = [s.fwd_s for s in plan.stages]
-    bwd = [s.bwd_s for s in plan.stages]
-    res = simulate(fwd, bwd, pp=plan.mesh.pp, num_microbatches=plan.num_microbatches,
-                   schedule=plan.schedule, virtual_stages=plan.virtual_stages)
-    names = [f"stage {s.index}: {_ranges(s.modules)}" for s in plan.stages]
-    trace = chrome_trace(res, stage_names=names)
-    Path(path).write_text(json.dumps(trace))
-    return len(trace.get("traceEvents", []))
+    return write(plan, path)
+
+
+def decisions(p: Plan) -> dict[str, str]:
+    """The choices a plan makes, one short string each: what an alternative is told apart from the best by."""
+    recompute = [s.recompute for s in p.stages]
+    ps = p.stages
+    state = max(s.memory.params + s.memory.grads + s.memory.optimizer for s in ps)
+    return {
+        "mesh": f"pp={p.mesh.pp} dp={p.mesh.dp} tp={p.mesh.tp}",
+        "micro-batches": f"{p.micro_batch}x{p.num_microbatches}",
+        "schedule": p.schedule + (f"/v{p.virtual_stages}" if p.virtual_stages > 1 else ""),
+        "ZeRO": str(p.zero),
+        "recompute": recompute[0] if len(set(recompute)) == 1 else ",".join(recompute),
+        "stage cuts": ",".join(str(s.layer_start) for s in ps[1:]) or "-",
+        "tp sharding": _sharded(p),
+        "model state": fmt_bytes(state),
+        "dtype": p.dtype if p.reduce_dtype == p.dtype else f"{p.dtype} (reduce {p.reduce_dtype})",
+    }
+
+
+def _sharded(p: Plan) -> str:
+    """'5 of 8 weights sharded' over the plan's parameter patterns (the plain and the memory-lean intra-op solve
+    differ here); '-' without tensor parallelism."""
+    if p.mesh.tp == 1 or not p.param_shardings:
+        return "-"
+    n = sum(1 for s in p.param_shardings if s.placement != "R")
+    return f"{n} of {len(p.param_shardings)} weights sharded"
+
+
+def _same(a: Plan, b: Plan) -> bool:
+    da, db = to_data(a), to_data(b)
+    for d in (da, db):
+        d.pop("solver", None)
+    return da == db
+
+
+def distinct_alternatives(best: Plan, alternatives: tuple[Plan, ...] | list[Plan]) -> list[tuple[str, Plan]]:
+    """The alternatives that are plans other than ``best`` and each other, each with what differs from the best
+    ("mesh pp=1 dp=8 tp=1 -> pp=1 dp=4 tp=2; ZeRO 1 -> 0"). Identical plans (the same choices reached twice, e.g.
+    by the plain and the memory-lean intra-op solve) are listed once."""
+    shown: list[Plan] = [best]
+    out: list[tuple[str, Plan]] = []
+    base = decisions(best)
+    for p in alternatives:
+        if any(_same(p, q) for q in shown):
+            continue
+        mine = decisions(p)
+        skip = {"model state"} | ({"tp sharding"} if p.mesh.tp != best.mesh.tp else set())  # implied by the mesh
+        diff = [f"{k} {base[k]} -> {mine[k]}" for k in base if mine[k] != base[k] and k not in skip]
+        if mine["model state"] != base["model state"]:
+            diff.append(f"model state {base['model state']} -> {mine['model state']} per device")
+        if not diff:
+            diff = ["the same choices with other per-op shardings"]
+        label = "; ".join(diff)
+        if any(label == lbl for lbl, _ in out):
+            continue
+        shown.append(p)
+        out.append((label, p))
+    return out
+
+
+def alternatives_table(best: Plan, alternatives: tuple[Plan, ...] | list[Plan], *, width: int | None = None) -> str:
+    """The distinct alternatives as a table: what differs from the best, time per iteration, speed vs the best."""
+    rows = [[str(i), label, fmt_time(p.time.total), f"{best.time.total / p.time.total:.3g}x"]
+            for i, (label, p) in enumerate(distinct_alternatives(best, alternatives), 1)]
+    if not rows:
+        return ""
+    t = table(f"alternatives (best: {fmt_time(best.time.total)}/iteration)",
+              [("#", "right"), "differs from the best in", ("time/iter", "right"), ("speed vs best", "right")], rows)
+    return render(t, width=width)

@@ -217,9 +217,11 @@ def time_collective(
 def _progress(enabled: bool, total: int) -> Any:
     if not enabled:
         return None
+    from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    p = Progress(TextColumn("[bold]autopar profile[/] {task.description}"), BarColumn(), TimeElapsedColumn())
+    p = Progress(TextColumn("[bold]autopar profile[/] {task.description}"), BarColumn(), TimeElapsedColumn(),
+                 console=Console(stderr=True))  # stdout stays for results
     p.start()
     p.add_task("starting", total=total)
     return p

@@ -3,7 +3,8 @@
 ``@triton.jit`` reads its function's source with ``inspect``, so generated kernels must live in real files: the
 source is written to ``<cache>/<name>_<sha256[:16]>.py`` (atomically, so concurrent ranks can share the folder) and
 imported from there.  Loaded modules are memoized per process by (directory, hash).  The cache directory is, in
-order: the ``cache_dir`` argument, the ``AUTOPAR_KERNEL_CACHE`` environment variable, ``~/.cache/autopar/kernels``.
+order: the ``cache_dir`` argument, the ``AUTOPAR_KERNEL_CACHE`` environment variable, ``$AUTOPAR_CACHE/kernels`` (the
+folder of autopar's other caches), ``~/.cache/autopar/kernels``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ _LOADED: dict[tuple[str, str], ModuleType] = {}
 
 def cache_dir(override: str | os.PathLike[str] | None = None) -> Path:
     """The kernel cache directory (created if missing)."""
-    path = Path(override or os.environ.get(ENV_CACHE) or Path.home() / ".cache" / "autopar" / "kernels")
+    root = os.environ.get("AUTOPAR_CACHE") or Path.home() / ".cache" / "autopar"
+    path = Path(override or os.environ.get(ENV_CACHE) or Path(root) / "kernels")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:

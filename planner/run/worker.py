@@ -303,6 +303,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend)
+    if dist.get_rank() != 0:  # informational messages (checkpoint saved, resumed...) once, from rank 0
+        logging.getLogger().setLevel(logging.WARNING)
     try:
         report = run_worker(args)
         if dist.get_rank() == 0:
