@@ -20,8 +20,14 @@ for tensor parallelism (``autopar.codegen.runtime.tensor_parallel.permute_chunks
 re-permuted for the loading plan's ``tp``.
 
 Layout on disk: ``root/step_00000012/`` (DCP files + ``.metadata`` + ``autopar.json``) and ``root/latest`` naming
-the newest complete step.  A step directory is written as ``root/.tmp-step_00000012`` and renamed when every rank
-has finished, and ``latest`` is replaced atomically, so a crash mid-save leaves the previous checkpoint current.
+the newest complete step.  A step directory is written as ``root/.tmp-step_00000012-<token>`` (a name unique to the
+save) and renamed when every rank has finished, and ``latest`` is replaced atomically, so a crash mid-save leaves
+the previous checkpoint current.
+
+Trust (:mod:`autopar.codegen.checkpoint_guard`): loads read ``.metadata`` with a restricted unpickler and non-tensor
+entries with ``weights_only=True``, so a crafted checkpoint is refused instead of running code; ``latest`` must name
+a ``step_N`` directory inside the root; a root owned by another user or writable by group/others is refused;
+saves write directories 0700 and files 0600; :class:`Checkpointer` holds an exclusive lock on the root.
 """
 
 from __future__ import annotations
@@ -43,6 +49,18 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from autopar.codegen.checkpoint_guard import (
+    STEP_RE,
+    CheckpointLock,
+    SafeLoadPlanner,
+    SafeReader,
+    UnsafeCheckpointError,
+    check_private,
+    confine,
+    make_private,
+    read_metadata,
+    resolve_latest,
+)
 from autopar.codegen.runtime.tensor_parallel import permute_chunks, unpermute_chunks
 
 __all__ = ["CheckpointOptions", "Checkpointer", "save_checkpoint", "load_checkpoint", "latest_checkpoint",
@@ -188,11 +206,10 @@ def save_checkpoint(source: Source, optimizer: torch.optim.Optimizer | None, ste
         raise ValueError(f"step must be a non-negative integer, got {step!r}")
     root = Path(root)
     final = step_dir(root, step)
-    tmp = root / f".tmp-{final.name}"
+    tmp = root / f".tmp-{final.name}-{_token()}"
     if _rank() == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        check_private(root)
     _barrier()
     _, state = _state(source, optimizer)
     chunks, tp = _chunk_layouts(source)
@@ -202,11 +219,16 @@ def save_checkpoint(source: Source, optimizer: torch.optim.Optimizer | None, ste
             if fqn is not None and isinstance(part[key], DTensor):
                 part[key] = unpermute_chunks(part[key].full_tensor(), chunks[fqn], tp)
     state["step"] = step
-    dcp.save(state, checkpoint_id=str(tmp))
+    try:
+        dcp.save(state, checkpoint_id=str(tmp))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk keeps no partial step (each rank removes what it can)
+        raise
     _barrier()
     if _rank() == 0:
         meta = {"step": step, "world_size": dist.get_world_size() if dist.is_initialized() else 1, **(extra or {})}
         (tmp / _META).write_text(json.dumps(meta, indent=1, sort_keys=True))
+        make_private(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -216,9 +238,19 @@ def save_checkpoint(source: Source, optimizer: torch.optim.Optimizer | None, ste
     return final
 
 
+def _token() -> str:
+    """A name part unique to this save, the same on every rank (rank 0 draws it)."""
+    token = [f"{os.getpid()}-{os.urandom(4).hex()}"]
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast_object_list(token, src=0)
+    return str(token[0])
+
+
 def _write_latest(root: Path, name: str) -> None:
-    tmp = root / f".{_LATEST}.tmp"
-    tmp.write_text(name + "\n")
+    tmp = root / f".{_LATEST}.tmp-{os.getpid()}-{os.urandom(4).hex()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(name + "\n")
     os.replace(tmp, root / _LATEST)
 
 
@@ -233,6 +265,10 @@ def load_checkpoint(source: Source, optimizer: torch.optim.Optimizer | None, dir
             raise FileNotFoundError(f"no checkpoint in {path} (expected a step directory with .metadata, or a root "
                                     f"with a '{_LATEST}' marker); start without --resume or point to a checkpoint")
         path = found[0]
+    path = confine(path.parent, path)
+    check_private(path.parent)
+    check_private(path)
+    read_metadata(path / ".metadata")  # refuses a crafted .metadata with a clear error (DCP would reword it)
     view, state = _state(source, optimizer)
     chunks, tp = _chunk_layouts(source)
     templates: dict[tuple[str, str], DTensor] = {}
@@ -244,8 +280,11 @@ def load_checkpoint(source: Source, optimizer: torch.optim.Optimizer | None, dir
                 part[key] = torch.empty(part[key].shape, dtype=part[key].dtype)
     state["step"] = -1
     try:
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())
     except (Exception, CheckpointException) as e:  # CheckpointException derives from BaseException
+        unsafe = _unsafe(e)
+        if unsafe is not None:
+            raise unsafe from None
         raise ValueError(f"checkpoint {path} does not fit this model: {_first_line(e)}; was it saved for another "
                          "model?") from e
     for (name, key), tmpl in templates.items():
@@ -262,6 +301,17 @@ def load_checkpoint(source: Source, optimizer: torch.optim.Optimizer | None, dir
     return step
 
 
+def _unsafe(e: BaseException) -> UnsafeCheckpointError | None:
+    """The UnsafeCheckpointError behind a DCP failure (DCP wraps each rank's exception), if any."""
+    if isinstance(e, UnsafeCheckpointError):
+        return e
+    for f in (getattr(e, "failures", None) or {}).values():
+        f = f[0] if isinstance(f, tuple) else f
+        if isinstance(f, UnsafeCheckpointError):
+            return f
+    return None
+
+
 def _first_line(e: BaseException) -> str:
     failures = getattr(e, "failures", None)  # CheckpointException: {rank: the exception on that rank}
     if failures:
@@ -274,16 +324,26 @@ def _first_line(e: BaseException) -> str:
 def latest_checkpoint(root: str | Path) -> tuple[Path, int] | None:
     """(step directory, step) of the newest complete checkpoint under ``root``, or None.
 
-    Trusts the ``latest`` marker when it points to a complete directory, else scans ``step_*`` directories."""
+    Trusts the ``latest`` marker when it points to a complete directory, else scans ``step_*`` directories
+    (numerically).  A marker naming anything outside ``root`` raises UnsafeCheckpointError."""
     root = Path(root)
-    marker = root / _LATEST
-    if marker.is_file():
-        d = root / marker.read_text().strip()
-        if (d / ".metadata").is_file() and d.name.startswith("step_"):
-            return d, int(d.name[len("step_"):])
-    steps = sorted((int(d.name[5:]), d) for d in root.glob("step_*") if d.name[5:].isdigit()
-                   and (d / ".metadata").is_file()) if root.is_dir() else []
+    d = resolve_latest(root)
+    if d is not None and (d / ".metadata").is_file():
+        return d, int(d.name[len("step_"):])
+    steps = _steps(root, complete=True)
     return (steps[-1][1], steps[-1][0]) if steps else None
+
+
+def _steps(root: Path, *, complete: bool) -> list[tuple[int, Path]]:
+    """(step, directory) of ``root/step_<digits>`` real directories, in numeric order."""
+    if not root.is_dir():
+        return []
+    out = []
+    for d in root.iterdir():
+        m = STEP_RE.fullmatch(d.name)
+        if m and not d.is_symlink() and d.is_dir() and (not complete or (d / ".metadata").is_file()):
+            out.append((int(m.group(1)), d))
+    return sorted(out)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -296,9 +356,24 @@ class Checkpointer:
 
     def __init__(self, options: CheckpointOptions) -> None:
         self.options = options
+        self.lock = CheckpointLock(options.root)
+
+    def _lock(self) -> None:
+        """Rank 0 takes the root's exclusive lock (at once or CheckpointLockedError) and drops stale temporaries."""
+        if _rank() != 0 or self.lock.held:
+            return
+        self.lock.acquire()
+        check_private(Path(self.options.root))
+        for d in Path(self.options.root).glob(".tmp-step_*"):  # under the lock, no other save is running
+            shutil.rmtree(d, ignore_errors=True)
+
+    def close(self) -> None:
+        """Release the directory lock (also released when the process exits)."""
+        self.lock.release()
 
     def resume(self, source: Source, optimizer: torch.optim.Optimizer | None) -> int:
         """Load the latest checkpoint if there is one; the number of steps already done (0 for a fresh start)."""
+        self._lock()
         found = latest_checkpoint(self.options.root)
         if found is None:
             return 0
@@ -311,10 +386,11 @@ class Checkpointer:
         every = self.options.every
         if not force and (every == 0 or step % every):
             return None
+        self._lock()
         path = save_checkpoint(source, optimizer, step, self.options.root, extra=extra)
         if _rank() == 0 and self.options.keep:
-            done = sorted(d for d in Path(self.options.root).glob("step_*") if d.name[5:].isdigit())
-            for d in done[:-self.options.keep]:
+            done = _steps(Path(self.options.root), complete=False)  # numeric: step_100000000 after step_99999999
+            for _, d in done[:-self.options.keep]:
                 shutil.rmtree(d, ignore_errors=True)
         _barrier()
         return path

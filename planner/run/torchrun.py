@@ -14,14 +14,15 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from autopar import ir
 
-__all__ = ["torchrun_command", "run_plan", "check_checkpoint_dir"]
+__all__ = ["check_checkpoint_dir", "checkpoint_lock", "run_plan", "torchrun_command"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,28 @@ def check_checkpoint_dir(directory: str | Path, resume: bool) -> int | None:
         raise ValueError(f"{directory} already holds a checkpoint (step {found[1]}); pass --resume to continue "
                          "from it, or choose an empty --checkpoint-dir")
     return found[1] if found else None
+
+
+@contextmanager
+def checkpoint_lock(directory: str | Path | None) -> Iterator[None]:
+    """Hold the exclusive lock of checkpoint ``directory`` (None: nothing) for a launch: a second run on it fails at
+    once (CheckpointLockedError).  The workers see ``$AUTOPAR_CHECKPOINT_LOCK`` and rely on this process's lock."""
+    if directory is None:
+        yield
+        return
+    from autopar.codegen.checkpoint_guard import LOCK_ENV, CheckpointLock
+
+    key = str(Path(directory).resolve())
+    before = os.environ.get(LOCK_ENV)
+    with CheckpointLock(key):
+        os.environ[LOCK_ENV] = key
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop(LOCK_ENV, None)
+            else:
+                os.environ[LOCK_ENV] = before
 
 
 def run_plan(plan_path: str | Path, model_name: str, steps: int, nproc: int | None = None,
