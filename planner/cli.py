@@ -41,6 +41,32 @@ def _trace(name: str, seq: int | None = None, frontend: str = "auto", cache: boo
     return cached_graph(key, make)
 
 
+def _plan_graph(plan: Any, args: argparse.Namespace) -> Any:
+    """The graph of the model a plan command works on, with the plan's fingerprint checked against it.
+
+    Plans are data: the model comes from ``--model``; the plan's own ``model:`` is used only when it names a built-in
+    model, or with ``--trust-plan-model`` (a ``package.module:factory`` would be imported and called)."""
+    from autopar.ir.errors import SchemaError
+    from autopar.zoo import list_models
+
+    name = getattr(args, "model", None)
+    if not name:
+        if plan.model not in list_models() and not getattr(args, "trust_plan_model", False):
+            raise SchemaError("model", f"the plan names model {_clip(plan.model)!r}, which is not a built-in model; "
+                              "a plan is data and autopar does not import code it names: pass --model "
+                              "package.module:factory (or --trust-plan-model to import the plan's)", doc="plan")
+        name = plan.model
+    graph = _trace(name)
+    plan.check_compatible(fingerprint=graph.fingerprint)
+    return graph
+
+
+def _clip(value: Any, n: int = 200) -> str:
+    """``str(value)`` cut to ``n`` characters (error messages never embed an unbounded value)."""
+    s = str(value)
+    return s if len(s) <= n else s[:n] + f"... ({len(s)} characters)"
+
+
 def _cmd_trace(args: argparse.Namespace) -> int:
     from autopar.planner.tables import render, table
 
@@ -115,7 +141,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     if args.kernels:
         from autopar.codegen.triton_gen import render_kernels
 
-        print(render_kernels(_trace(plan.model)))
+        print(render_kernels(_plan_graph(plan, args)))
     return 0
 
 
@@ -126,7 +152,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
     text = explain_node(plan, args.node)  # an unknown node fails here, before the model is traced
     if not args.no_alternatives and plan.mesh.tp > 1:
-        text = explain_node(plan, args.node, graph=_trace(plan.model))
+        text = explain_node(plan, args.node, graph=_plan_graph(plan, args))
     print(text)
     return 0
 
@@ -194,8 +220,7 @@ def _cmd_replan(args: argparse.Namespace) -> int:
     pins = parse_pins(args.pin) if args.pin else {}
     opts = PlanOptions(global_batch=args.global_batch or old.global_batch, pins=pins, dtype=old.dtype,  # type: ignore
                        fused_kernels=old.fused_kernels)
-    graph = _trace(args.model or old.model)
-    old.check_compatible(fingerprint=graph.fingerprint)
+    graph = _plan_graph(old, args)
     new = search(graph, profile, opts).best
     print(diff_plans(old, new), end="")
     out = args.output or str(Path(args.plan).with_suffix("")) + f".{args.nodes}n.yaml"
@@ -203,6 +228,13 @@ def _cmd_replan(args: argparse.Namespace) -> int:
     print(f"wrote {out}; checkpoints saved under the old plan load into it, resharded "
           f"(autopar run {out} --model {new.model} --resume --checkpoint-dir DIR --steps N)")
     return 0
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="the model the plan is for (default: the plan's model: field when "
+                   "it names a built-in model); the plan's fingerprint is checked against it")
+    p.add_argument("--trust-plan-model", action="store_true",
+                   help="import the package.module:factory the plan's model: field names (plans are data otherwise)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -245,12 +277,14 @@ def build_parser() -> argparse.ArgumentParser:
     sh.add_argument("plan")
     sh.add_argument("--trace", help="also write the simulated schedule as Chrome-trace/Perfetto JSON")
     sh.add_argument("--kernels", action="store_true", help="also print the generated Triton kernels")
+    _model_args(sh)
     sh.set_defaults(func=_cmd_show)
 
     ex = sub.add_parser("explain", help="why a node got its sharding, and what the alternatives cost")
     ex.add_argument("plan")
     ex.add_argument("node")
     ex.add_argument("--no-alternatives", action="store_true", help="skip re-tracing the model")
+    _model_args(ex)
     ex.set_defaults(func=_cmd_explain)
 
     df = sub.add_parser("diff", help="compare two plans")
@@ -293,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("plan")
     rp.add_argument("--nodes", type=int, required=True)
     rp.add_argument("--cluster", default=None)
-    rp.add_argument("--model", default=None)
+    _model_args(rp)
     rp.add_argument("--global-batch", type=int, default=None)
     rp.add_argument("--pin", action="append", default=[])
     rp.add_argument("-o", "--output")
