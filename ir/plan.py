@@ -22,7 +22,9 @@ from typing import Any, Literal
 import yaml
 
 from autopar.ir.errors import SchemaError
+from autopar.ir.limits import MAX_BATCH, MAX_DEVICES_PER_NODE, MAX_NODES, check_bound, clip
 from autopar.ir.placement import Placement, Recompute, Schedule
+from autopar.ir.safe_yaml import YamlLimitError, load_yaml, write_atomic
 from autopar.ir.serialize import from_data, to_data
 
 __all__ = [
@@ -33,6 +35,8 @@ __all__ = [
 ]
 
 PLAN_SCHEMA_VERSION = 1
+DTYPES = ("float32", "bfloat16", "float16")
+"""Training dtypes a plan may name (compute and gradient reduction)."""
 
 
 def _check_placement(p: str, what: str) -> None:
@@ -55,8 +59,7 @@ class MeshPlan:
 
     def __post_init__(self) -> None:
         for k in ("pp", "dp", "tp"):
-            if getattr(self, k) < 1:
-                raise ValueError(f"mesh.{k} must be >= 1, got {getattr(self, k)}")
+            check_bound(f"mesh.{k}", getattr(self, k), MAX_NODES * MAX_DEVICES_PER_NODE)
 
     @property
     def world_size(self) -> int:
@@ -241,6 +244,18 @@ class Plan:
                              f"{PLAN_SCHEMA_VERSION})")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero must be 0, 1, 2 or 3, got {self.zero}")
+        check_bound("nodes", self.nodes, MAX_NODES)
+        check_bound("devices_per_node", self.devices_per_node, MAX_DEVICES_PER_NODE)
+        for k in ("global_batch", "micro_batch", "num_microbatches"):
+            check_bound(k, getattr(self, k), MAX_BATCH)
+        check_bound("virtual_stages", self.virtual_stages, 1024)
+        check_bound("num_params", self.num_params, 1 << 50, lo=0)
+        for k in ("dtype", "reduce_dtype"):
+            if getattr(self, k) not in DTYPES:
+                raise ValueError(f"{k} must be one of {', '.join(DTYPES)}, got {clip(repr(getattr(self, k)))}")
+        if not self.stages or self.stages[0].layer_start != 0:
+            raise ValueError("stages must start at layer group 0 (the prefix: embeddings etc.), got "
+                             f"{self.stages[0].layer_start if self.stages else 'no stages'}")
         if self.mesh.world_size != self.nodes * self.devices_per_node:
             raise ValueError(f"mesh pp*dp*tp = {self.mesh.world_size} does not equal nodes*devices_per_node = "
                              f"{self.nodes * self.devices_per_node}")
@@ -257,6 +272,9 @@ class Plan:
                 raise ValueError(f"stages.{i} starts at layer {s.layer_start}, not where stage {i - 1} ends")
         if self.schedule != "interleaved_1f1b" and self.virtual_stages != 1:
             raise ValueError(f"virtual_stages={self.virtual_stages} needs schedule interleaved_1f1b")
+        if self.schedule == "interleaved_1f1b" and self.num_microbatches % self.mesh.pp:
+            raise ValueError(f"interleaved 1F1B needs num_microbatches ({self.num_microbatches}) divisible by pp "
+                             f"({self.mesh.pp})")
 
     @property
     def world_size(self) -> int:
@@ -286,23 +304,36 @@ def plan_to_yaml(plan: Plan) -> str:
 
 def plan_from_yaml(text: str) -> Plan:
     try:
-        data: Any = yaml.safe_load(text)
+        data: Any = load_yaml(text)
     except yaml.YAMLError as e:
-        raise SchemaError("", f"not valid YAML ({str(e).splitlines()[0]})", doc="plan") from None
+        raise SchemaError("", f"not valid YAML ({clip(str(e).splitlines()[0])})", doc="plan") from None
+    except YamlLimitError as e:
+        raise SchemaError("", f"the YAML {e}", doc="plan") from None
     except RecursionError:
         raise SchemaError("", "YAML nested too deeply to be a plan", doc="plan") from None
     if isinstance(data, dict) and "schema_version" in data and data["schema_version"] != PLAN_SCHEMA_VERSION:
-        raise SchemaError("schema_version", f"version {data['schema_version']!r} is not supported (this autopar "
-                          f"reads version {PLAN_SCHEMA_VERSION})", doc="plan")
+        raise SchemaError("schema_version", f"version {clip(repr(data['schema_version']))} is not supported (this "
+                          f"autopar reads version {PLAN_SCHEMA_VERSION})", doc="plan")
     return from_data(Plan, data, doc="plan")
 
 
 def dump_plan(plan: Plan, path: str | Path) -> None:
-    Path(path).write_text(plan_to_yaml(plan))
+    """Write the plan's YAML atomically (a temporary file renamed over ``path``)."""
+    write_atomic(path, plan_to_yaml(plan))
 
 
 def load_plan(path: str | Path) -> Plan:
+    """Read and validate a plan file; every error names the file and the field."""
     p = Path(path)
     if not p.is_file():
-        raise SchemaError("", f"no such file: {p}", doc="plan")
-    return plan_from_yaml(p.read_text())
+        raise SchemaError("", f"no such file: {clip(p)}", doc="plan")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise SchemaError("", f"{clip(p)} is not UTF-8 text (byte {e.start}): not a plan file", doc="plan") from None
+    except OSError as e:
+        raise SchemaError("", f"cannot read {clip(p)}: {e.strerror}", doc="plan") from None
+    try:
+        return plan_from_yaml(text)
+    except SchemaError as e:
+        raise SchemaError(e.field, f"{e.problem} (in {clip(p)})", doc="plan") from None

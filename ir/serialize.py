@@ -12,10 +12,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import reprlib
 import types
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
 from autopar.ir.errors import SchemaError
+from autopar.ir.limits import MAX_TEXT, clip
 
 __all__ = ["to_data", "from_data"]
 
@@ -34,6 +36,15 @@ def to_data(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {str(k): to_data(v) for k, v in obj.items()}
     return obj
+
+
+_REPR = reprlib.Repr()  # (keyword arguments need Python 3.12)
+_REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict, _REPR.maxlevel = MAX_TEXT, MAX_TEXT, 8, 8, 3
+
+
+def _r(value: Any) -> str:
+    """A user's value quoted in a message: ``repr`` bounded in size and depth (never ``repr`` of the whole)."""
+    return clip(_REPR.repr(value))
 
 
 def _hints(cls: type) -> dict[str, Any]:
@@ -67,10 +78,10 @@ def _convert(tp: Any, value: Any, path: str, doc: str) -> Any:
                 return _convert(a, value, path, doc)
             except SchemaError as e:
                 errors.append(e)
-        raise errors[0] if errors else SchemaError(path, f"unexpected {value!r}", doc=doc)
+        raise errors[0] if errors else SchemaError(path, f"unexpected {_r(value)}", doc=doc)
     if origin is Literal:
         if value not in get_args(tp) or isinstance(value, bool) != any(isinstance(a, bool) for a in get_args(tp)):
-            raise SchemaError(path, f"expected {_describe(tp)}, got {value!r}", doc=doc)
+            raise SchemaError(path, f"expected {_describe(tp)}, got {_r(value)}", doc=doc)
         return value
     if origin in (tuple, list):
         if not isinstance(value, (list, tuple)):
@@ -94,14 +105,14 @@ def _convert(tp: Any, value: Any, path: str, doc: str) -> Any:
         try:
             return tp(value)
         except ValueError:
-            raise SchemaError(path, f"expected {_describe(tp)}, got {value!r}", doc=doc) from None
+            raise SchemaError(path, f"expected {_describe(tp)}, got {_r(value)}", doc=doc) from None
     if tp is bool:
         if not isinstance(value, bool):
-            raise SchemaError(path, f"expected true/false, got {value!r}", doc=doc)
+            raise SchemaError(path, f"expected true/false, got {_r(value)}", doc=doc)
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise SchemaError(path, f"expected an integer, got {value!r}", doc=doc)
+            raise SchemaError(path, f"expected an integer, got {_r(value)}", doc=doc)
         return value
     if tp is float:
         try:
@@ -109,11 +120,11 @@ def _convert(tp: Any, value: Any, path: str, doc: str) -> Any:
         except OverflowError:  # an int beyond float range
             f = math.nan
         if not math.isfinite(f):
-            raise SchemaError(path, f"expected a finite number, got {value!r}", doc=doc)
+            raise SchemaError(path, f"expected a finite number, got {_r(value)}", doc=doc)
         return f
     if tp is str:
         if not isinstance(value, str):
-            raise SchemaError(path, f"expected a string, got {value!r}", doc=doc)
+            raise SchemaError(path, f"expected a string, got {_r(value)}", doc=doc)
         return value
     raise TypeError(f"from_data: unsupported annotation {tp!r} at {path}")
 
@@ -127,7 +138,7 @@ def from_data(cls: type[T], data: Any, *, path: str = "", doc: str = "document")
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
     unknown = [k for k in data if k not in fields]
     if unknown:
-        key = str(unknown[0]) or "''"
+        key = clip(str(unknown[0])) or "''"
         raise SchemaError(f"{path}.{key}" if path else key, "unknown field", doc=doc)
     kwargs: dict[str, Any] = {}
     for name, f in fields.items():
@@ -142,5 +153,5 @@ def from_data(cls: type[T], data: Any, *, path: str = "", doc: str = "document")
     except SchemaError:
         raise
     except (ValueError, TypeError) as e:
-        raise SchemaError(where, str(e), doc=doc) from None
+        raise SchemaError(where, clip(str(e), 4 * MAX_TEXT), doc=doc) from None
 

@@ -99,7 +99,10 @@ def run_plan(plan_path: str | Path, model_name: str, steps: int, nproc: int | No
     The workers log loss and step time per step and, at the end, measured vs predicted step time per stage.
     torchrun runs in its own process group; past ``timeout_s`` (raises ``TimeoutError``) or on Ctrl-C that whole
     group (torchrun and every worker, restarted ones included) is terminated."""
+    from autopar.planner.run.preflight import plan_graph
+
     cmd = torchrun_command(plan_path, model_name, steps, nproc, extra_torchrun_args, worker_args, max_restarts)
+    plan_graph(ir.load_plan(plan_path), model_name)  # another model's plan, or one that does not fit it, stops here
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     if not torch.cuda.is_available():

@@ -105,21 +105,10 @@ def program_zero_grad(program: Any) -> None:
 
 
 def _plan_graph(plan: Any, model: str, seq: int | None) -> Any:
-    """The model traced at the batch the plan was made for: ``autopar plan`` traces batch 1, ``auto_parallel`` the
-    caller's example batch, hand-made plans the micro or global batch.  Falls back to the micro-batch trace."""
-    from autopar import ir
-    from autopar.zoo import build
+    """The model's graph at the batch the plan was made for, checked against the plan (as the launcher does)."""
+    from autopar.planner.run.preflight import plan_graph
 
-    first = None
-    for b in dict.fromkeys((plan.micro_batch, 1, plan.global_batch)):
-        meta = build(model, batch=b, device="meta", seq=seq)
-        graph = ir.trace(meta.model, meta.example_inputs, frontend="fx", model_name=model)
-        if graph.fingerprint == plan.graph_fingerprint:
-            return graph
-        first = first or graph
-    log.warning("no batch size (%s) reproduces the plan's graph fingerprint %s: was the plan made for model %s "
-                "(with this --seq)?", sorted({plan.micro_batch, 1, plan.global_batch}), plan.graph_fingerprint, model)
-    return first
+    return plan_graph(plan, model, seq)
 
 
 def step_batch(spec: Any, step: int, seed: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
