@@ -8,7 +8,10 @@
 3. Held out, Korthikanti et al. 2022 Table 5: end-to-end iteration times of 22B-1T models on 8-512 GPUs with full
    and with selective recompute, predicted vs measured.
 4. Held out, SC'21 Table 2 (profiles/published/megatron_sc21_table2_zero3.json): GPT-175B/530B on 384-2240 A100s
-   with DeepSpeed ZeRO-3 (no model parallelism) and with PTD-P; the PTD-P/ZeRO-3 ordering and margin.
+   with DeepSpeed ZeRO-3 (no model parallelism) and with PTD-P; the PTD-P/ZeRO-3 ordering and margin.  No
+   coefficient is fitted to these rows: the ZeRO-3 rows are costed from DeepSpeed 2021's mechanics (one list-form
+   collective per parameter tensor, its HBM passes and per-rank copy launches: planner/inter_op/dpcomm.py) with the
+   A100 profile's datasheet/nccl-tests link numbers and the sustained fraction fitted in (1).
 5. torchtitan FSDP2 runs (profiles/published/torchtitan_fsdp.json): Llama 3 on 64 A100s (held out) and Llama 3.1 8B
    on 8 H100s (FIT: the H100 sustained_fraction) and 128 H100s (held out).
 

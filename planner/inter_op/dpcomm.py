@@ -29,6 +29,20 @@ where ``X(x, c) = max(kappa * c, c - x)`` is the extra time of one overlapped st
 reduce dtype.  ZeRO 0 (replicated parameters, DDP-style bucketed all-reduce during the last micro-batch's backward):
 ``(n - 1) * X(b, ar) + ar`` once per iteration.  Without overlap (``overlap=False``, e.g. Megatron-LM 2021 or a
 runtime that syncs after the backward) every collective is exposed; ZeRO 0 then issues one flattened all-reduce.
+
+**Per-tensor, list-form collectives** (``per_unit > 1``: DeepSpeed's ZeRO-3 of 2021, one collective per parameter
+tensor through ``torch.distributed``'s list API).  Besides each tensor's own ring latency, the list API moves every
+byte through HBM once more and launches one copy kernel per rank of the group (sources: DeepSpeed 2021
+``partition_parameters.py``, ``_allgather_param`` zero-fills a flat buffer and all-gathers into ``world_size`` views
+of it, ``_reduce_scatter_gradient`` reduce-scatters ``world_size`` input views, and ``stage3.py``'s
+``average_tensor`` divides the gradient in place first; PyTorch's ``ProcessGroupNCCL::allgather`` /
+``reduce_scatter`` with tensor lists gather into / reduce from a new flat tensor and copy each of the ``g`` list
+entries out / in with one ``copy_`` each).  So a gather of ``S`` bytes also writes ``S`` (the zero fill) and reads
+and writes ``S`` (the copy out): ``3 S`` of HBM traffic; a reduce-scatter reads and writes ``S`` twice (divide,
+copy in): ``4 S``.  The reduce-scatter's ``g`` copy kernels are issued before the collective can start, one
+``launch_overhead_s`` each; the gather's follow it on its stream, and their issue overlaps the collective's own
+ring steps (only what is left over, ``g * launch - t_gather``, adds).  The group's size ``g`` is the dp degree:
+at thousands of ranks every reduce-scatter pays ``g`` launches, whatever its size.
 """
 
 from __future__ import annotations
@@ -75,7 +89,8 @@ def _chain(x: float, c: float, steps: int, kappa: float) -> tuple[float, float]:
 
 def dp_comm(cost: CostModel, *, params: float, units: int, fwd_s: float, bwd_s: float, num_microbatches: int,
             dp: int, tp: int, zero: int, param_item: float, reduce_item: float, overlap: bool = True,
-            coll: Collective | None = None, per_unit: float = 1.0, recompute_regather: bool = False) -> DpComm:
+            coll: Collective | None = None, per_unit: float = 1.0, recompute_regather: bool = False,
+            list_form: bool | None = None) -> DpComm:
     """Data-parallel communication cost of one rank per iteration (see the module docstring).
 
     ``params``: parameter elements the rank holds before dp sharding; ``units``: its FSDP units (layer groups);
@@ -85,7 +100,8 @@ def dp_comm(cost: CostModel, *, params: float, units: int, fwd_s: float, bwd_s: 
     ``per_unit``: collectives issued per unit and direction (1 for FSDP2's coalesced unit; the unit's parameter
     tensors for per-tensor implementations: each pays its own latency, the bytes are the same);
     ``recompute_regather``: ZeRO 3 gathers once more for the recomputed forward (implementations that release
-    parameters after every forward, recomputed ones included)."""
+    parameters after every forward, recomputed ones included); ``list_form``: the per-tensor collectives go through
+    ``torch.distributed``'s list API (see the module docstring; default: whenever ``per_unit > 1``)."""
     if dp <= 1 or params <= 0:
         return DpComm(0.0, 0.0, 0.0)
     if units < 1 or num_microbatches < 1:
@@ -108,8 +124,14 @@ def dp_comm(cost: CostModel, *, params: float, units: int, fwd_s: float, bwd_s: 
         e, k = _chain(b, ar, n - 1, kappa)
         return DpComm(e + ar, k, n * ar)
     k = max(per_unit, 1.0)
-    ag = k * coll("all_gather", unit * param_item / k)
+    ag1 = coll("all_gather", unit * param_item / k)
+    ag = k * ag1
     rs = k * coll("reduce_scatter", unit * reduce_item / k)
+    if per_unit > 1.0 if list_form is None else list_form:
+        dev = cost.profile.device
+        launches = dp * dev.launch_overhead_s
+        ag += 3 * unit * param_item / dev.memory_bandwidth + k * max(launches - ag1, 0.0)
+        rs += 4 * unit * reduce_item / dev.memory_bandwidth + k * launches
     gathers = (3 if recompute_regather else 2) if zero == 3 else 1
     per_mb = n * (gathers * ag + rs)
     if not overlap:

@@ -24,8 +24,8 @@ def _cost(nodes: int = 64, kappa: float | None = None) -> CostModel:
 
 
 def _z3(cost: CostModel, **kw: float) -> object:
-    args = dict(params=1e9, units=32, fwd_s=1.0, bwd_s=2.0, num_microbatches=1, dp=512, tp=1, zero=3,
-                param_item=2, reduce_item=4)
+    args = {"params": 1e9, "units": 32, "fwd_s": 1.0, "bwd_s": 2.0, "num_microbatches": 1, "dp": 512, "tp": 1,
+            "zero": 3, "param_item": 2, "reduce_item": 4}
     args.update(kw)
     return dp_comm(cost, **args)  # type: ignore[arg-type]
 
@@ -35,8 +35,8 @@ def test_per_unit_collectives_pay_latency_per_unit() -> None:
     span = cost.span(512, 1)
     few, many = _z3(cost, units=8), _z3(cost, units=64)
     # the same bytes in more units: every unit pays the ring latency once more
-    ag = lambda n: n * cost.collective_time("all_gather", 1e9 * 2 / n, span=span)  # noqa: E731
-    rs = lambda n: n * cost.collective_time("reduce_scatter", 1e9 * 4 / n, span=span)  # noqa: E731
+    ag = lambda n: n * cost.collective_time("all_gather", 1e9 * 2 / n, span=span)
+    rs = lambda n: n * cost.collective_time("reduce_scatter", 1e9 * 4 / n, span=span)
     assert few.collective_s == pytest.approx(2 * ag(8) + rs(8))
     assert many.collective_s == pytest.approx(2 * ag(64) + rs(64))
     assert many.collective_s > few.collective_s
@@ -101,6 +101,28 @@ def test_per_tensor_collectives_and_regather() -> None:
     regather = _z3(cost, overlap=False, per_unit=12.0, recompute_regather=True)
     assert per_tensor.collective_s > unit.collective_s  # 12 latencies per unit instead of one
     assert regather.collective_s > per_tensor.collective_s  # a third all-gather for the recomputed forward
+
+
+def test_list_form_collectives_pay_hbm_passes_and_one_copy_launch_per_rank() -> None:
+    """Per-tensor collectives through torch.distributed's list API (DeepSpeed 2021): a gather moves its bytes 3 more
+    times through HBM, a reduce-scatter 4 more times and launches one copy kernel per rank before it starts."""
+    cost = _cost(nodes=256)
+    dev = cost.profile.device
+    args = {"overlap": False, "per_unit": 12.0, "units": 32, "num_microbatches": 1}
+    plain = _z3(cost, list_form=False, **args)
+    listed = _z3(cost, list_form=True, **args)
+    assert _z3(cost, **args).collective_s == pytest.approx(listed.collective_s)  # per_unit > 1 means list form
+    hbm = (2 * 3 * 1e9 * 2 + 4 * 1e9 * 4) / dev.memory_bandwidth  # two gathers of fp16, one fp32 reduce-scatter
+    launches = 32 * 12 * 512 * dev.launch_overhead_s  # every reduce-scatter: one copy per rank first
+    span = cost.span(512, 1)
+    tail = max(512 * dev.launch_overhead_s - cost.collective_time("all_gather", 1e9 * 2 / 32 / 12, span=span), 0.0)
+    assert listed.collective_s - plain.collective_s == pytest.approx(hbm + launches + 2 * 32 * 12 * tail)
+    # the copy launches grow with the group, not with the bytes
+    big = _z3(cost, list_form=True, dp=2048, **args)
+    assert big.collective_s - _z3(cost, list_form=False, dp=2048, **args).collective_s > \
+        listed.collective_s - plain.collective_s + 32 * 12 * 1536 * dev.launch_overhead_s * 0.99
+    # FSDP2's coalesced unit collectives are not list-form
+    assert _z3(cost, overlap=False).collective_s == pytest.approx(_z3(cost, overlap=False, list_form=False).collective_s)
 
 
 def test_causal_attention_uses_its_curve() -> None:
