@@ -60,9 +60,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-FIT_FACTORS = ("matmul", "vector", "memory", "overhead", "overlap")
-"""Device factors fitted by default (``overlap`` where the schema has it); ``link.alpha``/``link.beta`` are added when
-the plans communicate (see :func:`calibrate`)."""
+FIT_FACTORS = ("matmul", "vector", "memory", "overhead", "dtensor", "overlap")
+"""Device factors fitted by default (``overlap`` where the schema has it, ``dtensor`` when a plan runs tensor
+parallelism); ``link.alpha``/``link.beta`` are added when the plans communicate (see :func:`calibrate`)."""
 _OBS = ("compute", "comm", "optimizer", "total")
 
 
@@ -185,7 +185,8 @@ def calibrate(base: ClusterProfile, runs: Sequence[tuple[Plan, Graph, RunMeasure
         raise ValueError("calibrate needs at least one measured run")
     if names is None:
         links = ["link.alpha", "link.beta"] if any(p.world_size > 1 for p, _, _ in runs) else []
-        names = [n for n in factor_names((), base) if n in FIT_FACTORS] + links
+        tp = any(p.mesh.tp > 1 for p, _, _ in runs)
+        names = [n for n in factor_names((), base) if n in FIT_FACTORS and (tp or n != "dtensor")] + links
     measured, scale = [], []
     for _, _, m in runs:
         measured += measured_observation(m)

@@ -244,6 +244,12 @@ class CostModel:
         memory = bytes / dev.memory_bandwidth
         return max(compute, memory) / dev.sustained_fraction + dev.launch_overhead_s
 
+    def sharded_op_extra(self) -> float:
+        """Extra eager time of one op (forward or backward, views included) on tensor-parallel operands: DTensor's
+        dispatch (sharding propagation, local-tensor wrapping) over a plain op's ``launch_overhead_s``."""
+        dev = self.profile.device
+        return dev.launch_overhead_s * max(dev.sharded_op_overhead - 1.0, 0.0)
+
     def matmul_time(
         self,
         flops: float | None = None,

@@ -12,6 +12,8 @@ factor                 what it multiplies (time of ...)
 ``vector``             non-matmul ops' arithmetic (``vector_flops`` divided by the factor)
 ``memory``             memory traffic of every op and the optimizer step (``memory_bandwidth`` divided)
 ``overhead``           the fixed per-op cost of an eager training step (``launch_overhead_s`` multiplied)
+``dtensor``            an op's eager cost on tensor-parallel (DTensor) operands over a plain op's
+                       (``sharded_op_overhead`` multiplied; 1 at the base: no extra dispatch)
 ``link.alpha``         the latency term of every collective and p2p, on every level and group size
 ``link.beta``          the bandwidth term of every collective and p2p (``busbw`` divided by the factor)
 ``<coll>.alpha``       the latency term of collective ``<coll>`` alone (on top of ``link.alpha``)
@@ -56,7 +58,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-DEVICE_FACTORS: tuple[str, ...] = ("matmul", "vector", "memory", "overhead")
+DEVICE_FACTORS: tuple[str, ...] = ("matmul", "vector", "memory", "overhead", "dtensor")
 OVERLAP_FIELD = "overlap_slowdown"
 """The device field of the overlap coefficient (compute slowdown under communication), in [0, 1]."""
 _LIMIT = math.log(1e4)  # factors stay within [1e-4, 1e4]
@@ -118,6 +120,9 @@ def apply_factors(profile: ClusterProfile, factors: Mapping[str, float], *, note
         changes["launch_overhead_s"] = base_o * f["overhead"]
         sources["launch_overhead_s"] = (f"{sources.get('launch_overhead_s', '')}; {tag} "
                                         f"(x{f['overhead']:.4g})").lstrip("; ")
+    if f.get("dtensor", 1.0) != 1.0:
+        changes["sharded_op_overhead"] = dev.sharded_op_overhead * f["dtensor"]
+        sources["sharded_op_overhead"] = f"{tag} (x{f['dtensor']:.4g})"
     if f.get("overlap", 1.0) != 1.0:
         value = min(1.0, max(0.0, getattr(dev, OVERLAP_FIELD) + f["overlap"] - 1.0))
         changes[OVERLAP_FIELD] = value

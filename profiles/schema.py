@@ -131,6 +131,8 @@ class DeviceProfile:
     """Compute seconds lost per second of communication overlapped with it, in [0, 1]: collective kernels take SMs
     and HBM bandwidth from the compute kernels they run beside (Galvatron's overlap coefficient, Miao et al.,
     VLDB 2023).  0 means overlapped communication is free."""
+    sharded_op_overhead: float = 1.0
+    """Per-op eager cost of an op on tensor-parallel (DTensor) operands, views included, in launch_overhead_s."""
     sources: dict[str, str] = field(default_factory=dict)
     """Field name -> where its number comes from."""
 
@@ -323,7 +325,7 @@ def _device(v: Any, path: str) -> DeviceProfile:
     d = _mapping(v, path)
     req = {"name", "memory_bytes", "peak_flops", "matmul_efficiency", "memory_bandwidth", "launch_overhead_s"}
     _keys(d, path, req, {"vector_flops", "sustained_fraction", "overlap_slowdown", "causal_attention_efficiency",
-                         "sources"})
+                         "sharded_op_overhead", "sources"})
     pf_path = _join(path, "peak_flops")
     peak = {_dtype(k, f"{pf_path}.{k}"): _num(x, f"{pf_path}.{k}") for k, x in _mapping(d["peak_flops"], pf_path).items()}
     if not peak:
@@ -354,6 +356,7 @@ def _device(v: Any, path: str) -> DeviceProfile:
         vector_flops=None if vf is None else _num(vf, _join(path, "vector_flops")),
         sustained_fraction=sf,
         overlap_slowdown=slow,
+        sharded_op_overhead=_num(d.get("sharded_op_overhead", 1.0), _join(path, "sharded_op_overhead")),
         causal_attention_efficiency=_seq_efficiency(d.get("causal_attention_efficiency", []),
                                                     _join(path, "causal_attention_efficiency")),
         sources=_str_map(d.get("sources", {}), _join(path, "sources")),
@@ -411,10 +414,9 @@ def profile_to_dict(profile: ClusterProfile) -> dict[str, Any]:
     }
     if dev.vector_flops is not None:
         device["vector_flops"] = dev.vector_flops
-    if dev.sustained_fraction != 1.0:
-        device["sustained_fraction"] = dev.sustained_fraction
-    if dev.overlap_slowdown:
-        device["overlap_slowdown"] = dev.overlap_slowdown
+    for key, default in (("sustained_fraction", 1.0), ("overlap_slowdown", 0.0), ("sharded_op_overhead", 1.0)):
+        if getattr(dev, key) != default:
+            device[key] = getattr(dev, key)
     if dev.causal_attention_efficiency:
         device["causal_attention_efficiency"] = [{"seq": q.seq, "efficiency": q.efficiency}
                                                  for q in dev.causal_attention_efficiency]

@@ -92,6 +92,15 @@ class _Coster:
         return pbytes * pratio + act * self.scale * ratio
 
     def compute(self, node: Node, strat: Strategy) -> tuple[float, float]:
+        """(forward, backward) seconds of ``node`` under ``strat``; under tp every op, views included, also pays
+        the profile's DTensor dispatch (:meth:`~autopar.profiles.cost.CostModel.sharded_op_extra`)."""
+        fwd, bwd = self._compute(node, strat)
+        if self.t > 1 and node.kind != "input" and node.outputs:
+            extra = self.cost.sharded_op_extra()
+            return fwd + extra, bwd + (extra if bwd > 0 or node.kind == "view" else 0.0)
+        return fwd, bwd
+
+    def _compute(self, node: Node, strat: Strategy) -> tuple[float, float]:
         kind = _KIND_MAP.get(node.kind, node.kind)
         if kind in ("view", "input") or not node.outputs:
             return 0.0, 0.0

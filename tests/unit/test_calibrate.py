@@ -206,6 +206,33 @@ def test_calibrate_on_dp_and_tp_predicts_a_held_out_pipeline_plan() -> None:
     assert abs(got / want - 1) < 0.10 < abs(before / want - 1)
 
 
+def test_dtensor_dispatch_is_charged_under_tp_only_and_fitted_from_a_tp_run() -> None:
+    """The ``dtensor`` factor: every op of a tensor-parallel stage (views included) pays DTensor's dispatch on top
+    of a plain op's overhead; a dp-only plan is unchanged.  Fitted on synthetic dp=2 and tp=2 runs, it predicts a
+    held-out dp=2 x tp=2 plan on 4 ranks (factors carried to the 4-rank profile)."""
+    graph, base, base4 = _graph("gpt-tiny"), cpu_like(), cpu_like(4)
+    slow = apply_factors(base, {"dtensor": 5.0})
+    assert slow.device.sharded_op_overhead == 5.0
+    assert CostModel(slow).sharded_op_extra() == pytest.approx(4 * base.device.launch_overhead_s)
+    assert CostModel(base).sharded_op_extra() == 0.0
+
+    def plan(prof: ClusterProfile, batch: int = 8, **pins: int) -> ir.Plan:
+        opts = PlanOptions(global_batch=batch, dtype="float32", top_k=0, workers=1, pins=pins)
+        return search(graph, prof, opts).best
+
+    dp, tp = plan(base, pp=1, dp=2, tp=1, zero=0), plan(base, pp=1, dp=1, tp=2)
+    assert predict(graph, slow, dp).time.total == predict(graph, base, dp).time.total
+    assert predict(graph, slow, tp).time.compute > predict(graph, base, tp).time.compute
+    truth = {"overhead": 3.0, "dtensor": 8.0}
+    runs = [(p, graph, _synthetic_run(p, predict(graph, apply_factors(base, truth), p))) for p in (dp, tp)]
+    fit = calibrate(base, runs, names=["overhead", "dtensor"])
+    assert fit.factors["dtensor"] == pytest.approx(8.0, rel=0.05) and fit.determined["dtensor"]
+    held = plan(base4, pp=1, dp=2, tp=2)
+    want, before, got = (predict(graph, apply_factors(base4, f), held).time.total
+                         for f in (truth, {}, fit.factors))
+    assert abs(got / want - 1) < 0.05 < abs(before / want - 1)
+
+
 def test_compose_equals_applying_twice() -> None:
     base = dataclasses.replace(cpu_like(), device=dataclasses.replace(cpu_like().device, **{OVERLAP_FIELD: 0.1})) \
         if hasattr(cpu_like().device, OVERLAP_FIELD) else cpu_like()
