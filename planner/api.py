@@ -18,19 +18,19 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from autopar import ir
 from autopar.ir.graph import Graph
-from autopar.ir.inputs import batch_size, normalize
 from autopar.ir.plan import Plan, load_plan
 from autopar.ir.trace_cache import cache_root
 from autopar.planner.options import PlanOptions, parse_pins
 from autopar.planner.search import SearchResult, search
 from autopar.profiles.builtin import resolve_profile, with_nodes
 from autopar.profiles.schema import ClusterProfile
+
+if TYPE_CHECKING:  # torch loads on first use: `autopar plan` on a cached graph never needs it
+    import torch
 
 __all__ = ["AutoParallel", "plan", "auto_parallel", "resolve_cluster", "in_distributed_launch", "batch_one"]
 
@@ -90,6 +90,8 @@ def resolve_cluster(cluster: str | Path | ClusterProfile | None, nodes: int | No
         return with_nodes(cluster, nodes) if nodes else cluster
     if cluster is not None:
         return resolve_profile(cluster, nodes)
+    import torch
+
     from autopar.profiles.schema import load_profile
 
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count() or 2))
@@ -118,6 +120,10 @@ def batch_one(example_inputs: Any) -> Any:
     The planner traces every model at batch 1 and scales activations by the micro-batch size, so that a candidate
     micro-batch smaller than the example batch never sees a batch dimension it cannot split.  Inputs are cut only
     when every tensor input has the same leading size (batch-first); otherwise they are used as given."""
+    import torch
+
+    from autopar.ir.inputs import normalize
+
     args, kwargs = normalize(example_inputs)
     items = (*args, *kwargs.values())
     leads = {int(x.shape[0]) for x in items if isinstance(x, torch.Tensor) and x.dim() > 0}
@@ -162,6 +168,8 @@ class AutoParallel:
     def trace(self) -> Graph:
         """The model traced at batch 1 (see :func:`batch_one`), whatever batch the example inputs have."""
         if self._graph is None:
+            from autopar.ir.inputs import batch_size, normalize
+
             name = self.model_name or type(self.model).__name__
             graph = ir.trace(self.model, batch_one(self.example_inputs), frontend=self.frontend,  # type: ignore
                              model_name=name)
@@ -188,12 +196,15 @@ class AutoParallel:
               sync_batchnorm: bool = False) -> Any:
         """Build this rank's parallel program (needs an initialized process group, e.g. under torchrun).
 
-        ``init="copy"`` shards the caller's weights; ``init="seed"`` generates a zoo model's weights shard by shard
-        (``autopar.zoo.init_weights``), and any ``init(model, seed)`` function does the same with its own rules."""
+        ``init="copy"`` shards the caller's weights; a state dict or a checkpoint path (safetensors file, Hugging Face
+        model directory, ``torch.save`` file) reads them from there and ``init="model"`` runs the model's own
+        initialization shard by shard, both for a model on the meta device; ``init="seed"`` generates a zoo model's
+        weights shard by shard (``autopar.zoo.init_weights``), and any ``init(model, seed)`` function does the same
+        with its own rules (:mod:`autopar.codegen.runtime.weights`)."""
         from autopar.codegen.runtime.program import build_program
         from autopar.zoo import init_weights
 
-        init = init_weights if init == "seed" else init
+        init = init_weights if isinstance(init, str) and init == "seed" else init
 
         if plan is None:
             chosen = self.plan().best
@@ -219,6 +230,7 @@ class AutoParallel:
 
 def _plan_once(ap: AutoParallel) -> Plan:
     """Rank 0 searches and broadcasts the plan, so every rank builds the same program (and the search runs once)."""
+    import torch
     import torch.distributed as dist
 
     from autopar.ir.plan import plan_from_yaml, plan_to_yaml
@@ -242,7 +254,8 @@ def plan(model: torch.nn.Module, example_inputs: Any, *, cluster: str | Path | C
 
 def auto_parallel(model: torch.nn.Module, *, example_inputs: Any, global_batch: int,
                   loss_fn: Callable[..., torch.Tensor] | None = None, cluster: str | Path | ClusterProfile | None = None, nodes: int | None = None,
-                  plan: Plan | str | Path | None = None, sync_batchnorm: bool = False, **options: Any) -> Any:
+                  plan: Plan | str | Path | None = None, sync_batchnorm: bool = False, init: Any = "copy",
+                  **options: Any) -> Any:
     """One line from a model to a parallel training program.
 
     Under torchrun: profiles this machine (``cluster=None``) or loads ``cluster``, plans (or loads ``plan``) and
@@ -251,7 +264,9 @@ def auto_parallel(model: torch.nn.Module, *, example_inputs: Any, global_batch: 
 
     ``example_inputs`` as the model takes them: a tensor, a tuple, or a dict of keyword inputs.  Without ``loss_fn``
     the model computes its own loss (a Hugging Face model given ``labels``): ``.step(batch)`` with the same keywords.
-    The program's weights are the caller's (``init="copy"``), sharded per rank.  ``sync_batchnorm=True``:
+    The program's weights are the caller's (``init="copy"``), sharded per rank; for a model built on the meta
+    device, ``init=`` a state dict or checkpoint path (e.g. a ``save_pretrained`` directory), or ``"model"`` for its
+    own initialization run shard-locally.  ``sync_batchnorm=True``:
     BatchNorm statistics over the data-parallel group (default: per rank, as the plan's note says).
     """
     if in_distributed_launch():
@@ -265,7 +280,7 @@ def auto_parallel(model: torch.nn.Module, *, example_inputs: Any, global_batch: 
             cluster = prof
         ap = AutoParallel(model, example_inputs, global_batch, cluster=cluster, nodes=None, loss_fn=loss_fn,
                           options=options)
-        return ap.apply(plan if plan is not None else _plan_once(ap), sync_batchnorm=sync_batchnorm)
+        return ap.apply(plan if plan is not None else _plan_once(ap), sync_batchnorm=sync_batchnorm, init=init)
     if cluster is None and plan is None:
         raise ValueError("outside torchrun, auto_parallel plans for a given cluster: pass cluster='dgx-a100-80gb' "
                          "(or a profile YAML), or launch with torchrun to run on this machine")

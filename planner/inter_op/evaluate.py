@@ -141,7 +141,8 @@ def evaluate_stages(table: LayerTable, s: Screened, cost: CostModel, options: Pl
         opt = max(opt, params * ADAM_STEP_BYTES / (c.dp if c.zero >= 1 else 1)
                   / cost.profile.device.memory_bandwidth)
     sim = simulate(fwd, bwd, pp=pp, num_microbatches=c.num_microbatches, schedule=c.schedule,  # type: ignore[arg-type]
-                   virtual_stages=c.virtual_stages, p2p=p2p if p2p else 0.0, optimizer_s=opt)
+                   virtual_stages=c.virtual_stages, p2p=p2p if p2p else 0.0, optimizer_s=opt,
+                   with_events=False)
     # data-parallel communication (exposed part and overlap contention) lengthens each rank's iteration
     extra = [x.total_s for x in comms]
     if any(extra):

@@ -111,7 +111,7 @@ class ScheduleResult:
     rank_end_s: tuple[float, ...]
     """Per rank: end of its last op plus exposed sync (before the optimizer step)."""
     events: tuple[OpEvent, ...]
-    """Every op, sorted by (rank, start)."""
+    """Every op, sorted by (rank, start); empty when simulated with ``with_events=False``."""
 
 
 def _check(pp: int, m: int, v: int, schedule: str) -> None:
@@ -124,15 +124,6 @@ def _check(pp: int, m: int, v: int, schedule: str) -> None:
     if schedule == "interleaved_1f1b" and m % pp:
         raise ValueError(f"interleaved 1F1B needs num_microbatches divisible by pp (Megatron-LM); got m={m}, "
                          f"pp={pp}: pick m as a multiple of {pp}")
-
-
-def _interleaved_op(i: int, *, pp: int, v: int, forward: bool) -> tuple[int, int]:
-    """(micro-batch, chunk) of the i-th forward (or backward) on a rank under interleaved 1F1B."""
-    group, in_group = divmod(i, pp * v)
-    chunk = in_group // pp
-    if not forward:
-        chunk = v - 1 - chunk
-    return group * pp + in_group % pp, chunk
 
 
 def rank_order(schedule: Schedule, *, rank: int, pp: int, num_microbatches: int,
@@ -150,8 +141,9 @@ def rank_order(schedule: Schedule, *, rank: int, pp: int, num_microbatches: int,
         warmup = min(pp - rank - 1, m)
     else:
         total = m * v
-        fwd = [("F", *_interleaved_op(i, pp=pp, v=v, forward=True)) for i in range(total)]
-        bwd = [("B", *_interleaved_op(i, pp=pp, v=v, forward=False)) for i in range(total)]
+        # groups of pp micro-batches, each taken chunk by chunk (forward: 0..v-1, backward: v-1..0)
+        fwd = [("F", g + x, c) for g in range(0, m, pp) for c in range(v) for x in range(pp)]
+        bwd = [("B", g + x, c) for g in range(0, m, pp) for c in reversed(range(v)) for x in range(pp)]
         warmup = min((pp - rank - 1) * 2 + (v - 1) * pp, total)
     order: list[Op] = list(fwd[:warmup])
     for i in range(len(fwd) - warmup):
@@ -184,36 +176,62 @@ def _per_rank(x: float | Sequence[float], n: int, what: str) -> list[float]:
 
 
 def _run(orders: list[list[Op]], fwd: list[float], bwd: list[float], p2p: list[float],
-         pp: int) -> list[list[tuple[Op, float, float]]]:
-    """Execute the per-rank orders; returns per rank ``(op, start, end)`` in order."""
-    last = len(fwd) - 1
-    done: dict[tuple[str, int, int], float] = {}  # (kind, mb, virtual stage) -> end time
+         pp: int) -> tuple[list[list[float]], list[list[float]]]:
+    """Execute the per-rank orders; returns per rank the start and the end time of each op, in its order.
+
+    Each op starts at ``max(rank free, dependency end + transfer)`` (the same float operations in the same order
+    whichever rank is advanced first, so the times do not depend on the sweep). A done op's end time sits in a flat
+    list indexed by ``micro-batch * K + virtual stage`` (-1: not done yet)."""
+    n = len(fwd)
+    last = n - 1
+    m = 1 + max((mb for o in orders for _, mb, _ in o), default=0)
+    f_end, b_end = [-1.0] * (m * n), [-1.0] * (m * n)
+    progs = [[(kind == "F", mb * n + c * pp + r, c * pp + r) for kind, mb, c in order]
+             for r, order in enumerate(orders)]
+    starts: list[list[float]] = [[] for _ in range(pp)]
+    ends: list[list[float]] = [[] for _ in range(pp)]
     free = [0.0] * pp
     pos = [0] * pp
-    out: list[list[tuple[Op, float, float]]] = [[] for _ in range(pp)]
     remaining = sum(len(o) for o in orders)
     while remaining:
         progressed = False
         for r in range(pp):
-            while pos[r] < len(orders[r]):
-                kind, mb, c = orders[r][pos[r]]
-                k = c * pp + r
-                if kind == "F":
-                    deps = [] if k == 0 else [(("F", mb, k - 1), p2p[k - 1])]
+            prog, p, t = progs[r], pos[r], free[r]
+            st, en = starts[r], ends[r]
+            while p < len(prog):
+                is_f, i, k = prog[p]
+                if is_f:
+                    start = t
+                    if k:
+                        d = f_end[i - 1]
+                        if d < 0.0:
+                            break
+                        d += p2p[k - 1]
+                        start = max(start, d)
+                    t = start + fwd[k]
+                    f_end[i] = t
                 else:
-                    deps = [(("F", mb, k), 0.0)] + ([] if k == last else [(("B", mb, k + 1), p2p[k])])
-                if any(d not in done for d, _ in deps):
-                    break
-                start = max([free[r]] + [done[d] + lat for d, lat in deps])
-                end = start + (fwd[k] if kind == "F" else bwd[k])
-                done[(kind, mb, k)] = end
-                free[r] = end
-                out[r].append(((kind, mb, c), start, end))
-                pos[r] += 1
-                remaining -= 1
+                    d = f_end[i]
+                    if d < 0.0:
+                        break
+                    start = max(t, d)
+                    if k != last:
+                        d = b_end[i + 1]
+                        if d < 0.0:
+                            break
+                        d += p2p[k]
+                        start = max(start, d)
+                    t = start + bwd[k]
+                    b_end[i] = t
+                st.append(start)
+                en.append(t)
+                p += 1
+            if p != pos[r]:
+                remaining -= p - pos[r]
+                pos[r], free[r] = p, t
                 progressed = True
         assert progressed, "pipeline schedule deadlocked: the per-rank orders are inconsistent"
-    return out
+    return starts, ends
 
 
 def peak_in_flight(order: Sequence[Op], weights: Sequence[float] | None = None) -> float:
@@ -234,12 +252,14 @@ def peak_in_flight(order: Sequence[Op], weights: Sequence[float] | None = None) 
 
 def simulate(fwd: Sequence[float], bwd: Sequence[float], *, pp: int, num_microbatches: int,
              schedule: Schedule = "1f1b", virtual_stages: int = 1, p2p: float | Sequence[float] = 0.0,
-             dp_sync: float | Sequence[float] = 0.0, optimizer_s: float = 0.0) -> ScheduleResult:
+             dp_sync: float | Sequence[float] = 0.0, optimizer_s: float = 0.0,
+             with_events: bool = True) -> ScheduleResult:
     """Simulate one iteration.
 
     ``fwd[k]``/``bwd[k]``: time of one micro-batch on virtual stage ``k`` (``pp * virtual_stages`` entries).
     ``p2p[k]``: transfer time between virtual stages ``k`` and ``k+1`` (``pp * v - 1`` entries, or one number).
     ``dp_sync[r]``: gradient-sync time of rank ``r`` (or one number for all).
+    ``with_events=False`` leaves ``events`` empty (the search needs only the totals: it saves a third of the time).
     """
     v, m = virtual_stages, num_microbatches
     _check(pp, m, v, schedule)
@@ -252,22 +272,23 @@ def simulate(fwd: Sequence[float], bwd: Sequence[float], *, pp: int, num_microba
     if optimizer_s < 0:
         raise ValueError(f"optimizer_s must be >= 0, got {optimizer_s}")
     orders = [rank_order(schedule, rank=r, pp=pp, num_microbatches=m, virtual_stages=v) for r in range(pp)]
-    timeline = _run(orders, fw, bw, links, pp)
+    starts, ends = _run(orders, fw, bw, links, pp)
     events = tuple(OpEvent(rank=r, kind=op[0], microbatch=op[1], chunk=op[2], stage=op[2] * pp + r, start=s, end=e)
-                   for r in range(pp) for op, s, e in timeline[r])
-    busy = tuple(sum(e - s for _, s, e in timeline[r]) for r in range(pp))
-    pipeline = max(e for _, _, e in (t[-1] for t in timeline))
+                   for r in range(pp) for op, s, e in zip(orders[r], starts[r], ends[r])) if with_events else ()
+    busy = tuple(sum(e - s for s, e in zip(starts[r], ends[r])) for r in range(pp))
+    pipeline = max(en[-1] for en in ends)
     exposed, rank_end = [], []
     for r in range(pp):
-        window = sum(e - s for (kind, mb, _), s, e in timeline[r] if kind == "B" and mb == m - 1)
+        window = sum(e - s for (kind, mb, _), s, e in zip(orders[r], starts[r], ends[r]) if kind == "B" and mb == m - 1)
         exposed.append(max(0.0, sync[r] - window))
-        rank_end.append(timeline[r][-1][2] + exposed[-1])
+        rank_end.append(ends[r][-1] + exposed[-1])
     bubble = pipeline - max(busy)
     result = ScheduleResult(
         schedule=schedule, pp=pp, virtual_stages=v, num_microbatches=m,
         iteration_s=max(rank_end) + optimizer_s, pipeline_s=pipeline, busy_s=busy, bubble_s=bubble,
         bubble_fraction=bubble / pipeline if pipeline > 0 else 0.0,
-        peak_in_flight=tuple(int(peak_in_flight(o)) for o in orders), exposed_sync_s=tuple(exposed),
+        peak_in_flight=tuple(int(peak_in_flight_count(schedule, rank=r, pp=pp, num_microbatches=m, virtual_stages=v))
+                             for r in range(pp)), exposed_sync_s=tuple(exposed),
         optimizer_s=optimizer_s, rank_end_s=tuple(rank_end), events=events)
     log.debug("simulated %s pp=%d v=%d m=%d: %.6gs, bubble %.3f", schedule, pp, v, m, result.iteration_s,
               result.bubble_fraction)

@@ -78,8 +78,33 @@ def _local_elems(graph: Graph, names: tuple[str, ...], placements: dict[str, str
     return tot
 
 
-def _largest_local(graph: Graph, names: tuple[str, ...], placements: dict[str, str], tp: int) -> float:
-    return max((_local_elems(graph, (n,), placements, tp) for n in names), default=0.0)
+_SIZES: dict[int, tuple[Graph, tuple[tuple[tuple[str, int], ...], ...]]] = {}
+
+
+def _param_sizes(graph: Graph) -> tuple[tuple[tuple[str, int], ...], ...]:
+    """Per layer group, ``(name, numel)`` of its trainable parameters in ``group.params`` order (what
+    :func:`_local_elems` reads), computed once per graph: every intra-op table of a search needs them."""
+    got = _SIZES.get(id(graph))
+    if got is None or got[0] is not graph:  # hold the graph, so its id cannot be reused while cached
+        if len(_SIZES) >= 8:
+            _SIZES.clear()
+        pm = graph.param_map
+        sizes = tuple(tuple((n, pm[n].meta.numel) for n in g.params if n in pm and pm[n].kind == "param")
+                      for g in graph.layers)
+        got = _SIZES[id(graph)] = (graph, sizes)
+    return got[1]
+
+
+def _local_sum(sizes: tuple[tuple[str, int], ...], placements: dict[str, str], tp: int) -> float:
+    """:func:`_local_elems` over one group's :func:`_param_sizes` (the same sum, term by term)."""
+    tot = 0.0
+    for n, numel in sizes:
+        tot += numel / (tp if placements.get(n, "R").startswith("S") else 1)
+    return tot
+
+
+def _largest_local(sizes: tuple[tuple[str, int], ...], placements: dict[str, str], tp: int) -> float:
+    return max((numel / (tp if placements.get(n, "R").startswith("S") else 1) for n, numel in sizes), default=0.0)
 
 
 def block_paths(graph: Graph) -> frozenset[str]:
@@ -87,6 +112,7 @@ def block_paths(graph: Graph) -> frozenset[str]:
     return frozenset(g.module_path for g in graph.layers if g.role == "block" and g.module_path)
 
 
+@lru_cache(maxsize=65536)
 def _longest_block_prefix(name: str, blocks: frozenset[str]) -> str:
     """The longest ``b`` in ``blocks`` with ``name.startswith(b + ".")`` (a set lookup per dot of ``name``)."""
     pos = name.rfind(".")
@@ -127,7 +153,8 @@ def layer_table(graph: Graph, sols: tuple[GroupSolution, ...], tp: int, micro_ba
     blocks = block_paths(graph)
     for g, s in zip(graph.layers, sols):
         placements.update(group_placements(graph, g, s, blocks))
-    params = tuple(_local_elems(graph, g.params, placements, tp) for g in graph.layers)
+    sizes = _param_sizes(graph)
+    params = tuple(_local_sum(sz, placements, tp) for sz in sizes)
     first, last = graph.layers[0], graph.layers[-1]
     shared = _local_elems(graph, tuple(set(first.params) & set(last.params)), placements, tp) \
         if len(graph.layers) > 1 else 0.0
@@ -146,9 +173,8 @@ def layer_table(graph: Graph, sols: tuple[GroupSolution, ...], tp: int, micro_ba
              "full": tuple(s.act_bytes_full for s in sols)},
         act_none=tuple(s.act_bytes_none for s in sols),
         params=params, out_bytes=tuple(s.out_bytes for s in sols), shared_params=shared,
-        tensors=tuple(sum(1 for n in g.params if (i := graph.param_map.get(n)) is not None and i.kind == "param")
-                      for g in graph.layers),
-        largest_tensor=tuple(_largest_local(graph, g.params, placements, tp) for g in graph.layers),
+        tensors=tuple(len(sz) for sz in sizes),
+        largest_tensor=tuple(_largest_local(sz, placements, tp) for sz in sizes),
         solutions=sols, gap=max(gaps) if gaps else 0.0, status=status,
         solve_s=sum(s.wall_s for s in sols))
 
@@ -235,9 +261,12 @@ class ScreenMemo:
         return lambda kind, nbytes: self.collective(cost, kind, nbytes, dp, tp)
 
     def ranks(self, table: LayerTable, rc: str, pp: int, v: int, cost: CostModel, p2p_intra: bool
-              ) -> tuple[list[tuple[int, int]], float, float, tuple[tuple[float, ...], ...]] | None:
+              ) -> tuple[list[tuple[int, int]], float, float, tuple[tuple[float, ...], ...],
+                         tuple[tuple[int, ...], ...]] | None:
         """``(chunks, sum of times, p2p, per rank (time, params, act sum, full-recompute extra, largest layer,
-        forward, layer groups, parameter tensors, largest tensor))`` or None when ``pp * v`` exceeds the groups."""
+        forward, layer groups, parameter tensors, largest tensor), ranks with equal numbers)`` or None when
+        ``pp * v`` exceeds the groups. The last item groups the rank indices whose per-rank numbers are equal (most
+        ranks of a model of identical blocks), in order of first occurrence."""
         memo = self._of(table)
         key = (rc, pp, v, p2p_intra)
         if key in memo:
@@ -267,7 +296,10 @@ class ScreenMemo:
             units = sum(b - a for a, b in mine)
             tensors = sum(sum(table.tensors[a:b]) for a, b in mine)
             per_rank.append((t, params, acts, extra, largest, fwd, units, tensors, largest_t))
-        out = (chunks, sum(times), p2p, tuple(per_rank))
+        alike: dict[tuple[float, ...], list[int]] = {}
+        for r, numbers in enumerate(per_rank):
+            alike.setdefault(numbers, []).append(r)
+        out = (chunks, sum(times), p2p, tuple(per_rank), tuple(tuple(rs) for rs in alike.values()))
         memo[key] = out
         return out
 
@@ -284,7 +316,7 @@ def screen(cand: Candidate, table: LayerTable, cost: CostModel, *, dtype: str, c
     got = memo.ranks(table, cand.recompute, pp, v, cost, p2p_intra)
     if got is None:
         return None
-    chunks, sum_times, p2p, ranks = got
+    chunks, sum_times, p2p, ranks, alike = got
     mixed = dtype != "float32"
     worst_end, peak = 0.0, 0.0
     flights = in_flight(cand.schedule, pp, m, v)
@@ -292,8 +324,12 @@ def screen(cand: Candidate, table: LayerTable, cost: CostModel, *, dtype: str, c
     full = cand.recompute == "full"
     dp, tp, zero = cand.dp, cand.tp, cand.zero
     bandwidth = cost.profile.device.memory_bandwidth
-    for r, (t, params, acts, extra, largest, fwd, units, tensors, largest_t) in enumerate(ranks):
-        acts = acts * flights[r]
+    # ranks with equal numbers differ only in their in-flight micro-batches: their dp communication is the same, and
+    # memory grows with the activations, so the one holding the most micro-batches has the group's peak (float
+    # products and sums of non-negative numbers are monotone: the same maximum as evaluating every rank)
+    for group in alike:
+        t, params, acts, extra, largest, fwd, units, tensors, largest_t = ranks[group[0]]
+        acts = acts * max(flights[r] for r in group)
         if full:
             acts += extra
         mem = memory_breakdown(param_elems=params, zero=zero, dp=dp, mixed_precision=mixed,

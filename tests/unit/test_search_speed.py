@@ -106,3 +106,68 @@ def test_trace_cache_round_trip_and_miss(tiny: ir.Graph, tmp_path: Path) -> None
     for f in (tmp_path / "graphs").glob("*.pkl"):
         f.write_bytes(b"damaged")
     assert cached_graph({"zoo": "gpt-tiny"}, make, tmp_path) == tiny and made == [1, 1, 1]
+
+
+def _screen_every_rank(c, table, cost, memo, capacity: float) -> tuple[float, float]:
+    """(time, peak) of a candidate with every rank costed on its own (what screening did before it grouped ranks
+    with equal numbers)."""
+    from autopar.planner.inter_op.memory import memory_breakdown
+    from autopar.planner.inter_op.screen import ADAM_STEP_BYTES, dp_time, in_flight, reserve_for
+
+    _chunks, sum_times, p2p, ranks, _ = memo.ranks(table, c.recompute, c.pp, c.virtual_stages, cost, True)
+    flights = in_flight(c.schedule, c.pp, c.num_microbatches, c.virtual_stages)
+    worst, peak = 0.0, 0.0
+    for r, (t, params, acts, extra, largest, fwd, units, _tensors, _lt) in enumerate(ranks):
+        acts = acts * flights[r] + (extra if c.recompute == "full" else 0.0)
+        peak = max(peak, memory_breakdown(param_elems=params, zero=c.zero, dp=c.dp, mixed_precision=True,
+                                          activations=acts, capacity=capacity, largest_layer_elems=largest,
+                                          reduce_bytes=4, reserve=reserve_for(cost)).total)
+        comm = dp_time(cost, params=params, units=units, fwd_s=fwd, bwd_s=t - fwd, m=c.num_microbatches, dp=c.dp,
+                       tp=c.tp, zero=c.zero, dtype="bfloat16", reduce_dtype="float32", overlap=True,
+                       recompute=c.recompute)
+        opt = params * ADAM_STEP_BYTES / (c.dp if c.zero >= 1 else 1) / cost.profile.device.memory_bandwidth
+        worst = max(worst, comm.total_s + opt)
+    busiest = max(r[0] for r in ranks)
+    if c.schedule == "interleaved_1f1b":
+        pipe = c.num_microbatches * busiest + (c.pp - 1) * busiest / c.virtual_stages
+    else:
+        pipe = (c.num_microbatches - 1) * busiest + sum_times
+    k = c.pp * c.virtual_stages
+    return pipe + 2 * (k - 1) * p2p + worst, peak
+
+
+def test_screening_ranks_with_equal_numbers_once(tiny: ir.Graph) -> None:
+    """Screening costs each group of ranks with equal numbers once (the rank holding the most micro-batches for
+    memory): the same time and peak, bit for bit, as costing every rank."""
+    from autopar.planner.inter_op.screen import Candidate, ScreenMemo, screen
+    from autopar.profiles.cost import CostModel
+
+    prof = load_builtin("dgx-h100", nodes=4)
+    tables = search_mod._Tables(tiny, CostModel(prof), PlanOptions(global_batch=64, workers=1))
+    memo, grouped = ScreenMemo(), 0
+    for pp, sched, v, zero, rc in itertools.product((2, 4), ("gpipe", "1f1b", "interleaved_1f1b"), (1, 2), (0, 1, 3),
+                                                    ("none", "full")):
+        if (sched == "interleaved_1f1b") != (v > 1):
+            continue
+        c = Candidate(pp, 16 // pp, 2, 1, 8, sched, v, zero, rc)
+        table = tables.get(2, 1)
+        got = screen(c, table, tables.cost, dtype="bfloat16", capacity=1e9, p2p_intra=True, memo=memo)
+        if got is None:
+            continue
+        grouped += len(memo.ranks(table, rc, pp, v, tables.cost, True)[4]) < pp
+        assert (got.time_s, got.peak_mem) == _screen_every_rank(c, table, tables.cost, memo, 1e9)
+    assert grouped  # some candidates did have ranks with equal numbers
+
+
+def test_layer_table_sums_equal_the_per_parameter_ones(tiny: ir.Graph) -> None:
+    from autopar.planner.inter_op.screen import _largest_local, _local_elems, _local_sum, _param_sizes
+    from autopar.profiles.cost import CostModel
+
+    tables = search_mod._Tables(tiny, CostModel(load_builtin("dgx-h100", nodes=1)), PlanOptions(global_batch=8))
+    table = tables.get(2, 1, True)  # the memory-lean sharding: weights sharded
+    placements = {p: pl for s in table.solutions for p, pl in s.param_placements.items()}
+    assert any(pl != "R" for pl in placements.values())
+    for g, sizes in zip(tiny.layers, _param_sizes(tiny)):
+        assert _local_sum(sizes, placements, 2) == _local_elems(tiny, g.params, placements, 2)
+        assert _largest_local(sizes, placements, 2) == max(
+            (_local_elems(tiny, (n,), placements, 2) for n in g.params), default=0.0)
