@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Mapping
 
+from autopar.ir.limits import MAX_BATCH, check_bound, clip
 from autopar.planner.pool import available_cores
 
 __all__ = ["PlanOptions", "parse_pins", "PIN_KEYS"]
@@ -61,8 +62,7 @@ class PlanOptions:
     def __post_init__(self) -> None:
         if self.dp_collectives not in ("unit", "tensor"):
             raise ValueError(f"dp_collectives must be 'unit' or 'tensor', got {self.dp_collectives!r}")
-        if self.global_batch < 1:
-            raise ValueError(f"global_batch must be >= 1, got {self.global_batch}")
+        check_bound("global_batch", self.global_batch, MAX_BATCH)
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         if self.top_k < 0:
@@ -89,7 +89,7 @@ def _check_pin(key: str, value: int | str) -> None:
         if value not in _RECOMPUTE:
             raise ValueError(f"pin recompute={value!r}: choose from {', '.join(_RECOMPUTE)}")
     elif not isinstance(value, int) or isinstance(value, bool) or value < (0 if key == "zero" else 1):
-        raise ValueError(f"pin {key}={value!r}: expected a positive integer")
+        raise ValueError(f"pin {key}={clip(repr(value), 40)}: expected a positive integer (digits 0-9)")
     elif key == "zero" and value > 3:
         raise ValueError(f"pin zero={value}: ZeRO levels are 0, 1, 2, 3")
 
@@ -105,7 +105,9 @@ def parse_pins(items: list[str] | tuple[str, ...] | None) -> dict[str, int | str
             if "=" not in part:
                 raise ValueError(f"pin {part!r} must look like key=value, e.g. tp=8")
             k, v = (s.strip() for s in part.split("=", 1))
-            value: int | str = int(v) if v.lstrip("-").isdigit() else v
+            value: int | str = int(v) if v.lstrip("-").isascii() and v.lstrip("-").isdigit() else v
             _check_pin(k, value)
+            if k in pins and pins[k] != value:
+                raise ValueError(f"pin {k} given twice ({k}={pins[k]} and {k}={value}); keep one")
             pins[k] = value
     return pins

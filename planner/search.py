@@ -117,6 +117,10 @@ def _validate_pins(world: int, options: PlanOptions, profile: ClusterProfile) ->
     dp = options.pins.get("dp")
     if dp is not None and options.global_batch % int(dp):
         raise ValueError(f"pin dp={dp} does not divide global batch {options.global_batch}")
+    mb = options.pins.get("micro_batch")
+    if mb is not None and int(mb) * int(dp or 1) > options.global_batch:
+        raise ValueError(f"pin micro_batch={mb} is larger than the global batch {options.global_batch}"
+                         f"{f' / dp={dp}' if dp else ''}: a micro-batch is a slice of one replica's batch")
 
 
 class _Tables:
@@ -299,11 +303,20 @@ def search(graph: Graph, profile: ClusterProfile, options: PlanOptions,
     t0 = time.perf_counter()
     world = profile.nodes * profile.devices_per_node
     _validate_pins(world, options, profile)
+    pp, vs, groups = options.pins.get("pp"), int(options.pins.get("virtual_stages", 1)), len(graph.layers)
+    if pp is not None and int(pp) * vs > groups:
+        raise ValueError(f"pin pp={pp} (x {vs} virtual stages) needs more stages than the {groups} layer groups of "
+                         f"{graph.model_name or 'the model'} (a stage holds at least one); pin pp <= {groups // vs}")
     cost = CostModel(profile)
     tables = _Tables(graph, cost, options)
     feasible, count, min_peak = _screen_all(graph, profile, options, tables, progress)
     if not feasible:
         if count == 0:
+            if not options.pins:  # every device must be used: pp*dp*tp = world with dp <= batch, pp <= layer groups
+                raise ValueError(f"no mesh uses all {world} devices with global batch {options.global_batch}: a plan "
+                                 f"needs pp*dp*tp = {world} with dp dividing the batch and pp at most "
+                                 f"{len(graph.layers)} (the layer groups); use fewer --nodes or a larger "
+                                 "--global-batch")
             raise ValueError(f"no candidate plan satisfies the pins {dict(options.pins)} with global batch "
                              f"{options.global_batch} on {world} devices; relax a pin or change the batch")
         gib = profile.device.memory_bytes / 2**30

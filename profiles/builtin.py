@@ -7,6 +7,7 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
+from autopar.ir.limits import MAX_NODES
 from autopar.profiles.schema import ClusterProfile, ProfileError, load_profile, loads_profile
 
 __all__ = ["BUILTIN_PROFILES", "builtin_names", "load_builtin", "with_nodes", "resolve_profile"]
@@ -43,6 +44,8 @@ def with_nodes(profile: ClusterProfile, nodes: int) -> ClusterProfile:
     """A copy of ``profile`` with ``nodes`` nodes; per-node hardware and links stay the same."""
     if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
         raise ValueError(f"nodes must be a positive integer, got {nodes!r}")
+    if nodes > MAX_NODES:
+        raise ValueError(f"nodes {nodes} is beyond autopar's limit of {MAX_NODES:,}; check the value")
     if nodes > 1 and "inter_node" not in profile.links:
         raise ProfileError(
             f"links.inter_node: profile {profile.name!r} has no inter-node link level, so it cannot be scaled to "

@@ -35,6 +35,9 @@ from typing import Any, Literal, Mapping
 
 import yaml
 
+from autopar.ir.limits import MAX_DEVICES_PER_NODE, MAX_NODES, clip
+from autopar.ir.safe_yaml import YamlLimitError, load_yaml, write_atomic
+
 __all__ = [
     "SCHEMA_VERSION",
     "COLLECTIVES",
@@ -190,8 +193,11 @@ class ClusterProfile:
 # Validation helpers
 
 
+_TINY, _HUGE = 1e-30, 1e30  # magnitudes a profile number may have (0 aside, where allowed)
+
+
 def _fail(path: str, msg: str) -> ProfileError:
-    return ProfileError(f"{path}: {msg}")
+    return ProfileError(f"{clip(path)}: {clip(msg, 400)}")  # values quoted are cut: messages stay short
 
 
 def _mapping(v: Any, path: str) -> Mapping[str, Any]:
@@ -221,17 +227,21 @@ def _num(v: Any, path: str, *, positive: bool = True, allow_zero: bool = False) 
         x = math.nan
     if not math.isfinite(x):
         raise _fail(path, f"expected a {'positive ' if positive else ''}number, got {v!r}")
+    if x != 0 and not _TINY <= abs(x) <= _HUGE:  # denormal rates or 1e308 FLOP/s overflow the cost model
+        raise _fail(path, f"{v!r} is outside the magnitudes autopar accepts ({_TINY:g} to {_HUGE:g}): check units")
     if positive and (x < 0 or (x == 0 and not allow_zero)):
         kind = "non-negative" if allow_zero else "positive"
         raise _fail(path, f"expected a {kind} number, got {v!r}")
     return x
 
 
-def _int(v: Any, path: str, *, minimum: int = 1) -> int:
+def _int(v: Any, path: str, *, minimum: int = 1, maximum: int = 1 << 62) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
         raise _fail(path, f"expected an integer >= {minimum}, got {v!r}")
     if v < minimum:
         raise _fail(path, f"expected an integer >= {minimum}, got {v!r}")
+    if v > maximum:
+        raise _fail(path, f"{v} is beyond autopar's limit of {maximum:,}; check the value")
     return v
 
 
@@ -370,8 +380,8 @@ def profile_from_dict(data: Any) -> ClusterProfile:
     version = d["schema_version"]
     if version != SCHEMA_VERSION:
         raise _fail("schema_version", f"unsupported version {version!r} (this autopar reads {SCHEMA_VERSION})")
-    nodes = _int(d["nodes"], "nodes")
-    dpn = _int(d["devices_per_node"], "devices_per_node")
+    nodes = _int(d["nodes"], "nodes", maximum=MAX_NODES)
+    dpn = _int(d["devices_per_node"], "devices_per_node", maximum=MAX_DEVICES_PER_NODE)
     links_d = _mapping(d["links"], "links")
     for k in links_d:
         if k not in LEVELS:
@@ -440,26 +450,22 @@ class _Loader(yaml.SafeLoader):
     """SafeLoader that also reads YAML 1.2 floats such as ``2.3e11`` (PyYAML's 1.1 rules read them as strings)."""
 
 
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(
         r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
         |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
         |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
         |[-+]?\.(?:inf|Inf|INF)
-        |\.(?:nan|NaN|NAN))$""",
-        re.X,
-    ),
-    list("-+0123456789."),
-)
+        |\.(?:nan|NaN|NAN))$""", re.X), list("-+0123456789."))
 
 
 def loads_profile(text: str, *, origin: str = "<string>") -> ClusterProfile:
     """Parse and validate a profile from YAML text."""
     try:
-        data = yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+        data = load_yaml(text, loader=_Loader, max_nodes=100_000)  # a SafeLoader subclass; aliases expanded
     except yaml.YAMLError as e:
-        raise ProfileError(f"{origin}: not valid YAML: {e}") from e
+        raise ProfileError(f"{origin}: not valid YAML: {clip(str(e).splitlines()[0])}") from None
+    except YamlLimitError as e:
+        raise ProfileError(f"{origin}: the YAML {e}") from None
     except RecursionError:
         raise ProfileError(f"{origin}: YAML nested too deeply to be a profile") from None
     return profile_from_dict(data)
@@ -471,9 +477,11 @@ def load_profile(path: str | Path) -> ClusterProfile:
     if not p.is_file():
         raise ProfileError(f"{p}: no such profile file")
     try:
-        return loads_profile(p.read_text(), origin=str(p))
+        return loads_profile(p.read_text(encoding="utf-8"), origin=str(p))
     except ProfileError as e:
         raise ProfileError(f"{e} (in {p})") from None
+    except (UnicodeDecodeError, OSError) as e:  # a binary file, a directory's permissions...
+        raise ProfileError(f"{p}: cannot read it as a profile ({clip(e, 120)})") from None
 
 
 def dump_profile(profile: ClusterProfile) -> str:
@@ -487,5 +495,5 @@ def save_profile(profile: ClusterProfile, path: str | Path) -> Path:
     loads_profile(text, origin=str(path))
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(text)
+    write_atomic(p, text)
     return p

@@ -7,6 +7,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import yaml
 
 from autopar import ir
 from autopar.ir.plan import MeshPlan, OpSharding, Plan, StagePlan, dump_plan
@@ -95,3 +96,101 @@ def _gpt_tiny() -> tuple:
 
     spec = build("gpt-tiny", batch=1, device="meta")
     return spec.model, spec.example_inputs
+
+
+# ------------------------------------------------------------------------------------------------- bounded inputs
+
+
+def _bomb(key: str, levels: int = 9) -> str:
+    """A 'billion laughs' YAML mapping: ``key`` expands to 9**levels strings (~1 KB of text)."""
+    lines = ["l0: &l0 [" + ", ".join(["lol"] * 9) + "]"]
+    lines += [f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 9) + "]" for i in range(1, levels)]
+    return "\n".join([*lines, f"{key}: *l{levels - 1}"]) + "\n"
+
+
+def _fast_error(capsys: pytest.CaptureFixture[str], argv: list[str], budget_s: float = 10.0) -> str:
+    import time
+
+    t0 = time.process_time()
+    err = _err(capsys, argv)
+    assert time.process_time() - t0 < budget_s, (argv, time.process_time() - t0)
+    assert len(err) < 700, err
+    return err
+
+
+def test_yaml_alias_bombs_are_refused_fast(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from autopar.profiles.builtin import load_builtin
+    from autopar.profiles.schema import dump_profile
+
+    plan = tmp_path / "bomb.yaml"
+    plan.write_text(_bomb("model"))
+    assert len(plan.read_text()) < 1500
+    assert "expands to more than" in _fast_error(capsys, ["show", str(plan)])
+    good = tmp_path / "good.yaml"
+    dump_plan(_plan("gpt-tiny"), good)
+    assert "expands to more than" in _fast_error(capsys, ["diff", str(good), str(plan)])
+    base = yaml.safe_load(dump_profile(load_builtin("dgx-h100")))
+    for key in ("name", "nodes"):
+        doc = {k: v for k, v in base.items() if k != key}
+        prof = tmp_path / f"prof_{key}.yaml"
+        prof.write_text(_bomb(key) + yaml.safe_dump(doc))
+        err = _fast_error(capsys, ["plan", "gpt-tiny", "--cluster", str(prof), "--global-batch", "8", "-q"])
+        assert "expands to more than" in err and str(prof) in err, err
+    rec = tmp_path / "recursive.yaml"
+    rec.write_text("model: &a [*a]\n")
+    assert "recursive" in _fast_error(capsys, ["show", str(rec)])
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["--nodes", str(10**30)], "nodes 1000000000000000000000000000000 is beyond autopar's limit of 100,000"),
+    (["--nodes", "1000000"], "beyond autopar's limit of 100,000"),
+    (["--global-batch", str(10**18)], "global_batch 1000000000000000000 is beyond autopar's limit"),
+    (["--nodes", "100000"], "no mesh uses all 800000 devices with global batch 8"),
+    (["--pin", "tp=²"], "pin tp='²': expected a positive integer"),
+    (["--pin", "tp=8,tp=4"], "pin tp given twice (tp=8 and tp=4)"),
+    (["--pin", "tp=8", "--pin", "tp=4"], "pin tp given twice"),
+    (["--pin", "pp=8"], "pin pp=8 (x 1 virtual stages) needs more stages than the 4 layer groups of gpt-tiny"),
+    (["--pin", "micro_batch=1000"], "pin micro_batch=1000 is larger than the global batch 8"),
+])
+def test_plan_bounds_and_clear_messages(capsys: pytest.CaptureFixture[str], args: list[str], expect: str) -> None:
+    batch = [] if "--global-batch" in args else ["--global-batch", "8"]
+    argv = ["plan", "gpt-tiny", "--cluster", "dgx-h100", "-q", *batch, *args]
+    assert expect in _fast_error(capsys, argv, budget_s=20.0)
+
+
+def test_replan_nodes_bound(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    p = tmp_path / "plan.yaml"
+    dump_plan(_plan("gpt-tiny"), p)
+    assert "beyond autopar's limit" in _fast_error(capsys, ["replan", str(p), "--nodes", str(10**30)])
+
+
+@pytest.mark.parametrize("path, value, expect", [
+    (("devices_per_node",), 10**30, "beyond autopar's limit of 1,024"),
+    (("devices_per_node",), 1_000_000, "beyond autopar's limit of 1,024"),
+    (("nodes",), 10**30, "beyond autopar's limit of 100,000"),
+    (("device", "memory_bandwidth"), 1e-310, "outside the magnitudes autopar accepts"),
+    (("device", "launch_overhead_s"), 1e-320, "outside the magnitudes autopar accepts"),
+    (("device", "memory_bandwidth"), 1e308, "outside the magnitudes autopar accepts"),
+])
+def test_profile_numbers_are_bounded(capsys: pytest.CaptureFixture[str], tmp_path: Path, path: tuple,
+                                     value: object, expect: str) -> None:
+    from autopar.profiles.builtin import load_builtin
+    from autopar.profiles.schema import dump_profile
+
+    data = yaml.safe_load(dump_profile(load_builtin("dgx-h100")))
+    target = data
+    for k in path[:-1]:
+        target = target[k]
+    target[path[-1]] = value
+    prof = tmp_path / "prof.yaml"
+    prof.write_text(yaml.safe_dump(data))
+    err = _fast_error(capsys, ["plan", "gpt-tiny", "--cluster", str(prof), "--global-batch", "8", "-q"])
+    assert expect in err and "prof.yaml" in err, err
+
+
+def test_decode_errors_name_the_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe\x00garbage\x80")
+    assert "binary.yaml" in _fast_error(capsys, ["show", str(binary)])
+    assert "binary.yaml" in _fast_error(capsys, ["plan", "gpt-tiny", "--cluster", str(binary), "--global-batch",
+                                                 "8", "-q"])
