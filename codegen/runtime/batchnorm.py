@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.fx as fx
-from torch import nn
+from torch import fx, nn
 from torch.distributed.tensor import DTensor, Replicate
 
-__all__ = ["SyncBatchNorm", "sync_batch_norms", "has_batch_norm"]
+__all__ = ["ModuleSyncBatchNorm", "SyncBatchNorm", "has_batch_norm", "sync_batch_norms"]
 
 _BN = (torch.ops.aten.batch_norm.default,)
 
@@ -81,19 +80,52 @@ class SyncBatchNorm(nn.Module):
         return y
 
 
+class ModuleSyncBatchNorm(nn.Module):
+    """An ``nn.BatchNorm1d/2d/3d`` call of an fx-captured graph, computed by :class:`SyncBatchNorm` from the module's
+    own parameters and running statistics, with ``nn.BatchNorm``'s training-mode rules (``num_batches_tracked``, a
+    cumulative average when ``momentum`` is None).  The BatchNorm module is referenced, not registered, so the group's
+    parameter and buffer names stay the model's."""
+
+    def __init__(self, bn: nn.modules.batchnorm._BatchNorm, group: dist.ProcessGroup) -> None:
+        super().__init__()
+        object.__setattr__(self, "bn", bn)
+        self.sync = SyncBatchNorm(group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bn = self.bn
+        momentum = 0.0 if bn.momentum is None else bn.momentum
+        if bn.training and bn.track_running_stats and bn.num_batches_tracked is not None:
+            bn.num_batches_tracked.add_(1)
+            if bn.momentum is None:
+                momentum = 1.0 / float(bn.num_batches_tracked)
+        training = bn.training or (bn.running_mean is None and bn.running_var is None)
+        keep = not bn.training or bn.track_running_stats
+        return self.sync(x, bn.weight, bn.bias, bn.running_mean if keep else None, bn.running_var if keep else None,
+                         training, momentum, bn.eps)
+
+
+def _is_module_bn(gm: fx.GraphModule, n: fx.Node) -> bool:
+    return n.op == "call_module" and isinstance(gm.get_submodule(str(n.target)), nn.modules.batchnorm._BatchNorm) \
+        and not isinstance(gm.get_submodule(str(n.target)), nn.SyncBatchNorm)
+
+
 def has_batch_norm(gm: fx.GraphModule) -> bool:
-    return any(n.op == "call_function" and n.target in _BN for n in gm.graph.nodes)
+    return any((n.op == "call_function" and n.target in _BN) or _is_module_bn(gm, n) for n in gm.graph.nodes)
 
 
 def sync_batch_norms(gm: fx.GraphModule, group: dist.ProcessGroup) -> int:
-    """Swap every ATen ``batch_norm`` of ``gm`` (an exported group module) for :class:`SyncBatchNorm` over
-    ``group``, in place; returns how many."""
+    """Swap every BatchNorm of ``gm`` (ATen ``batch_norm`` calls of an exported group module, ``nn.BatchNormNd``
+    calls of an fx-captured one) for :class:`SyncBatchNorm` over ``group``, in place; returns how many."""
     count = 0
     for n in list(gm.graph.nodes):
-        if n.op != "call_function" or n.target not in _BN:
+        if _is_module_bn(gm, n):
+            mod: nn.Module = ModuleSyncBatchNorm(gm.get_submodule(str(n.target)), group)
+        elif n.op == "call_function" and n.target in _BN:
+            mod = SyncBatchNorm(group)
+        else:
             continue
         name = f"_syncbn_{n.name}"
-        gm.add_submodule(name, SyncBatchNorm(group))
+        gm.add_submodule(name, mod)
         with gm.graph.inserting_before(n):
             new = gm.graph.call_module(name, n.args, dict(n.kwargs))
         n.replace_all_uses_with(new)

@@ -24,7 +24,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-from collections.abc import Callable, Iterator, Sequence
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -39,15 +40,7 @@ from autopar import ir
 from autopar.codegen.kernels.fx_rewrite import fuse_graph_module
 from autopar.codegen.runtime import data_parallel as dpm
 from autopar.codegen.runtime.batchnorm import sync_batch_norms
-from autopar.codegen.runtime.init import (
-    Initializer,
-    LocalSlot,
-    alias_names,
-    copy_into,
-    fill_slot,
-    meta_clone,
-    seed_stream,
-)
+from autopar.codegen.runtime.init import Initializer, alias_names, meta_clone
 from autopar.codegen.runtime.mesh import build_mesh, default_device
 from autopar.codegen.runtime.pipeline import build_schedule, local_stage_indices
 from autopar.codegen.runtime.split import SplitModel, StageModule, split_model
@@ -61,6 +54,7 @@ from autopar.codegen.runtime.tensor_parallel import (
     to_local_replicated,
     unpermute_chunks,
 )
+from autopar.codegen.runtime.weights import load_weights, strip_group
 from autopar.ir.inputs import normalize, tensor_leaves, with_batch
 
 __all__ = ["ParallelProgram", "build_program"]
@@ -79,10 +73,7 @@ def _model_loss(out: torch.Tensor, target: object = None) -> torch.Tensor:
     return out.reshape(())
 
 
-def _strip(name: str) -> str:
-    """``groups.3.blocks.1.attn.qkv.weight`` -> ``blocks.1.attn.qkv.weight`` (FQN in the original model)."""
-    parts = name.split(".")
-    return ".".join(parts[2:]) if parts[0] == "groups" else name
+_strip = strip_group
 
 
 class ParallelProgram:
@@ -274,8 +265,9 @@ class ParallelProgram:
 
 def build_program(plan: ir.Plan, model: Any, *, loss_fn: Loss | None = None,
                   example_inputs: Any = None, graph: ir.Graph | None = None,
-                  device: torch.device | str | None = None, init: Literal["copy"] | Initializer = "copy",
-                  seed: int = 0, sync_batchnorm: bool = False) -> ParallelProgram:
+                  device: torch.device | str | None = None,
+                  init: Literal["copy", "model"] | Initializer | Mapping[str, torch.Tensor] | str | os.PathLike[str]
+                  = "copy", seed: int = 0, sync_batchnorm: bool = False) -> ParallelProgram:
     """Build this rank's program for ``plan`` (call on every rank, inside an initialized process group).
 
     ``model`` is an ``nn.Module`` or an
@@ -285,10 +277,12 @@ def build_program(plan: ir.Plan, model: Any, *, loss_fn: Loss | None = None,
     ``graph`` is the traced ``autopar.ir.Graph`` the plan was made for (traced here when omitted); the model is
     captured again with the same front end (:func:`autopar.codegen.runtime.split.capture`).
 
-    ``init="copy"`` copies each rank's shards from the model's real weights; an :data:`Initializer` (such as
-    ``autopar.zoo.init_weights``) instead generates them from ``seed`` one module at a time, so ``model`` may be on
-    the meta device.  ``sync_batchnorm``: BatchNorm statistics over the dp group instead of per rank
-    (:mod:`autopar.codegen.runtime.batchnorm`; exported graphs)."""
+    ``init`` is where the weights come from (:mod:`autopar.codegen.runtime.weights`): ``"copy"`` copies each rank's
+    shards from the model's real weights; a state dict or a checkpoint path (safetensors, a Hugging Face directory,
+    a ``torch.save`` file) reads them from there; ``"model"`` runs the model's own initialization shard-locally; an
+    :data:`Initializer` (such as ``autopar.zoo.init_weights``) generates them from ``seed``.  All but ``"copy"``
+    take a model on the meta device.  ``sync_batchnorm``: BatchNorm statistics over the dp group instead of per
+    rank (:mod:`autopar.codegen.runtime.batchnorm`)."""
     if hasattr(model, "model") and hasattr(model, "example_inputs"):
         loss_fn = loss_fn or model.loss_fn
         example_inputs = example_inputs if example_inputs is not None else model.example_inputs
@@ -296,9 +290,9 @@ def build_program(plan: ir.Plan, model: Any, *, loss_fn: Loss | None = None,
     if example_inputs is None:
         raise ValueError("build_program needs example_inputs (or a ModelSpec that carries them)")
     inputs = normalize(example_inputs)
-    if init != "copy" and not callable(init):
-        raise ValueError(f"init must be 'copy' or an initializer function (e.g. autopar.zoo.init_weights), got "
-                         f"{init!r}")
+    if isinstance(init, str) and init not in ("copy", "model") and not os.path.exists(init):
+        raise ValueError(f"init must be 'copy', 'model', a state dict, a checkpoint path or an initializer function "
+                         f"(e.g. autopar.zoo.init_weights); got {init!r}, which is none of these (no such file)")
     dev = torch.device(device) if device is not None else default_device()
     mesh = build_mesh(plan, dev)
     meta = meta_clone(model)
@@ -324,9 +318,9 @@ def build_program(plan: ir.Plan, model: Any, *, loss_fn: Loss | None = None,
     stages, group_lists, chunks = _make_stages(plan, graph, split, indices, tp_mesh, aliases)
     chunks = {canon.get(k, k): v for k, v in chunks.items()}
     if sync_batchnorm and plan.mesh.dp > 1:
-        synced = sum(sync_batch_norms(g, mesh["dp"].get_group()) for gl in group_lists for g in gl)
-        if not synced and graph.frontend != "export":
-            log.warning("sync_batchnorm: BatchNorm modules of an fx-captured model keep per-rank statistics")
+        for gl in group_lists:
+            for g in gl:
+                sync_batch_norms(g, mesh["dp"].get_group())
     if tp_mesh is not None:
         _distribute_params(stages, tp_mesh, plan, canon)
     fsdp = plan.zero >= 1 and plan.mesh.dp > 1
@@ -335,7 +329,7 @@ def build_program(plan: ir.Plan, model: Any, *, loss_fn: Loss | None = None,
                        policy=dpm.mp_policy(plan.dtype, plan.reduce_dtype))
     for s in stages:
         _to_empty_keep_ties(s, dev)
-    _load(stages, model, init, seed, canon, chunks, plan, fsdp, dp_rank, tp_rank, split.constants)
+    load_weights(stages, model, init, seed, canon, chunks, plan, fsdp, dp_rank, tp_rank, split.constants)
     log.info("rank %d: stages %s, %d local parameter tensors", dist.get_rank(), indices,
              sum(1 for s in stages for _ in s.parameters()))
     return ParallelProgram(plan=plan, mesh=mesh, stages=stages, stage_indices=indices, loss_fn=loss_fn or _model_loss,
@@ -427,37 +421,6 @@ def _to_empty_keep_ties(module: nn.Module, device: torch.device) -> None:
         p = m._parameters[k]
         assert p is not None
         m._parameters[k] = first.setdefault(old, p)
-
-
-def _load(stages: list[StageModule], model: nn.Module, init: Literal["copy"] | Initializer, seed: int,
-          canon: dict[str, str],
-          chunks: dict[str, int], plan: ir.Plan, fsdp: bool, dp_rank: int, tp_rank: int,
-          constants: dict[str, torch.Tensor] | None = None) -> None:
-    slots: dict[str, dict[int, LocalSlot]] = {}
-    for s in stages:
-        for name, t in itertools.chain(s.named_parameters(remove_duplicate=False),
-                                       s.named_buffers(remove_duplicate=False)):
-            fqn = canon.get(_strip(name), _strip(name))
-            slots.setdefault(fqn, {})[id(t)] = LocalSlot(
-                t, chunks=chunks.get(fqn, 1), tp=plan.mesh.tp, fsdp=fsdp and isinstance(t, nn.Parameter),
-                dp_rank=dp_rank, dp=plan.mesh.dp)
-    filled: set[int] = set()
-
-    def consume(fqn: str, full: torch.Tensor) -> None:
-        for key, slot in slots.get(canon.get(fqn, fqn), {}).items():
-            if key not in filled:
-                fill_slot(slot, full, tp_rank)
-                filled.add(key)
-
-    for fqn, value in (constants or {}).items():
-        consume(fqn, value)
-    if init == "copy":
-        copy_into(model, consume)
-    else:
-        seed_stream(meta_clone(model), seed, consume, init)
-    missing = [f for f, d in slots.items() if any(k not in filled for k in d)]
-    if missing:
-        raise ValueError(f"no value for {missing[:5]} in the source model (init={getattr(init, '__name__', init)!r})")
 
 
 def _tie_groups(plan: ir.Plan, split: SplitModel, aliases: dict[str, list[str]]) -> dict[str, dist.ProcessGroup]:

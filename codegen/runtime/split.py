@@ -148,7 +148,7 @@ def capture(root: nn.Module, graph: ir.Graph, example: Example | None = None,
     An exported capture of a meta model creates its tensors (``arange`` positions, masks) on the meta device: those
     device arguments are moved to ``device``, where the program runs."""
     if graph.frontend != "export":
-        return fx.symbolic_trace(root)
+        return _bind_omitted(fx.symbolic_trace(root), graph)
     if example is None:
         raise ValueError("a model captured with torch.export needs example inputs to be captured again")
     args, kwargs = example
@@ -164,6 +164,26 @@ def capture(root: nn.Module, graph: ir.Graph, example: Example | None = None,
         elif device is not None and any(_is_meta(v) for v in (*n.args, *n.kwargs.values())):
             n.args = tuple(device if _is_meta(v) else v for v in n.args)
             n.kwargs = {k: device if _is_meta(v) else v for k, v in n.kwargs.items()}
+    gm.recompile()
+    return gm
+
+
+def _bind_omitted(gm: fx.GraphModule, graph: ir.Graph) -> fx.GraphModule:
+    """symbolic_trace makes a placeholder of every forward argument, optional ones included (timm's ViT:
+    ``attn_mask=None, is_causal=False``); the planner's trace ran with the caller's inputs only and the others at
+    their defaults.  Those placeholders are replaced by their default values, so the program takes what the model
+    was traced with."""
+    given = set(graph.inputs)
+    for n in [n for n in gm.graph.nodes if n.op == "placeholder" and n.name not in given]:
+        if not n.args:
+            raise ValueError(f"forward argument {n.target!r} has no default and was not in the traced inputs "
+                             f"{sorted(given)}")
+        default = n.args[0]
+        for user in list(n.users):
+            user.args = fx.node.map_aggregate(user.args, lambda a, n=n, d=default: d if a is n else a)
+            user.kwargs = fx.node.map_aggregate(user.kwargs, lambda a, n=n, d=default: d if a is n else a)
+        if not n.users:
+            gm.graph.erase_node(n)
     gm.recompile()
     return gm
 

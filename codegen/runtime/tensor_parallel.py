@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.utils.checkpoint import checkpoint
 
 from autopar import ir
+from autopar.codegen.runtime.tp_ops import CONV_OPS, ChannelConv, InplaceOnPlain, ModuleConv, inplace_op
 
 __all__ = ["implicit_replication", "dtensor_placement", "param_layout", "plan_param_placement", "Place", "LocalView",
            "HeadSDPA", "expand_op_shardings", "rewrite_group",
@@ -205,75 +206,6 @@ class HeadSDPA(nn.Module):
                                   stride=_contiguous_stride(list(shape)))
 
 
-class ChannelConv(nn.Module):
-    """A convolution (ATen ``conv1d/2d/3d``) on a tp-sharded weight, computed on local shards.
-
-    DTensor's own convolution rule mis-sizes the output of an out-channel-sharded weight (torch 2.13: it reports a
-    replicated output holding only the local channels), so the runtime does it: an out-channel shard ``S(0)`` of the
-    weight convolves the replicated input into a channel-sharded output ``S(1)``; an in-channel shard ``S(1)`` of
-    the weight convolves the channel-sharded input into partial sums (bias added once, after the reduction).  Other
-    layouts (grouped convolutions) gather the weight and run replicated."""
-
-    def __init__(self, op: Any) -> None:
-        super().__init__()
-        self.op = op
-
-    def forward(self, x: Any, w: Any, b: Any = None, *args: Any) -> Any:
-        if not isinstance(w, DTensor):
-            return self.op(x, w, b, *args)
-        mesh, pl = w.device_mesh, w.placements[0]
-        groups = args[4] if len(args) > 4 else 1
-        x = to_dtensor(x, mesh)
-        if pl == Shard(0) and groups == 1:
-            # each rank's input gradient covers its output channels only: partial sums, not a replicated value
-            xl = x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
-            bl = b.redistribute(mesh, [Shard(0)]).to_local() if isinstance(b, DTensor) else \
-                (None if b is None else torch.chunk(b, mesh.size())[mesh.get_local_rank()])
-            return DTensor.from_local(self.op(xl, w.to_local(), bl, *args), mesh, [Shard(1)], run_check=False)
-        if pl == Shard(1) and groups == 1:
-            xl = x.redistribute(mesh, [Shard(1)]).to_local()
-            out = DTensor.from_local(self.op(xl, w.to_local(), None, *args), mesh, [Partial()], run_check=False)
-            if b is None:
-                return out
-            bias = to_dtensor(b, mesh).redistribute(mesh, [Replicate()])
-            return out + bias.reshape(-1, *([1] * (out.dim() - 2)))
-        xl = x.redistribute(mesh, [Replicate()]).to_local()
-        bf = b.full_tensor() if isinstance(b, DTensor) else b
-        return DTensor.from_local(self.op(xl, w.full_tensor(), bf, *args), mesh, [Replicate()], run_check=False)
-
-
-class InplaceOnPlain(nn.Module):
-    """An in-place ATen op (``add_``, ``fill_``...) whose target is a plain tensor: DTensor arguments (values the plan
-    replicated, sharded ones gathered) are made whole first, since an in-place op cannot make its target a DTensor;
-    a replicated DTensor target is updated through its local tensor (DTensor has no rule for some, e.g.
-    ``fill_.Tensor``).  A sharded target runs the op as DTensor does."""
-
-    def __init__(self, op: Any) -> None:
-        super().__init__()
-        self.op = op
-
-    def forward(self, target: Any, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(target, DTensor):
-            try:
-                return self.op(target, *args, **kwargs)
-            except NotImplementedError:  # no DTensor rule: a replicated target is updated through its local tensor
-                if not all(isinstance(p, Replicate) for p in target.placements):
-                    raise
-        args = tuple(a.full_tensor() if isinstance(a, DTensor) else a for a in args)
-        kwargs = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in kwargs.items()}
-        self.op(target.to_local() if isinstance(target, DTensor) else target, *args, **kwargs)
-        return target
-
-
-def _inplace(n: fx.Node) -> bool:
-    return n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and \
-        n.target._schema.name.endswith("_") and bool(n.target._schema.arguments) and \
-        n.target._schema.arguments[0].is_write
-
-
-_CONV = (torch.ops.aten.conv1d.default, torch.ops.aten.conv2d.default, torch.ops.aten.conv3d.default)
-
-
 def expand_op_shardings(plan: ir.Plan, graph: ir.Graph) -> dict[str, ir.OpSharding]:
     """Node name -> OpSharding for every node, repeating a block's entries on all blocks with its structural hash."""
     group_of = {}
@@ -361,9 +293,13 @@ def rewrite_group(gm: fx.GraphModule, graph: ir.Graph, plan: ir.Plan, mesh: Devi
         if mesh is None:
             continue
         name = n.name  # the IR's name for this value, also after a swap
-        if n.op == "call_function" and n.target in _CONV:
+        if n.op == "call_function" and n.target in CONV_OPS:
             n = current[name] = _swap_node(gm, n, ChannelConv(n.target), f"_conv_{name}")
-        elif _inplace(n):
+        elif n.op == "call_module" and type(gm.get_submodule(str(n.target))) in ModuleConv.TYPES:
+            # fx keeps nn.ConvNd calls as modules: computed from the module's (sharded) parameters, which stay
+            # where they are (the wrapper does not own the module, so parameter names do not change)
+            n = current[name] = _swap_node(gm, n, ModuleConv(gm.get_submodule(str(n.target))), f"_conv_{name}")
+        elif inplace_op(n):
             n = current[name] = _swap_node(gm, n, InplaceOnPlain(n.target), f"_inplace_{name}")
         if n.op == "call_module" and isinstance(gm.get_submodule(str(n.target)), nn.Linear):
             chunks.update(_fused_projection(gm, graph, n, placement_of, mesh, erased, current, ops))

@@ -176,12 +176,13 @@ def solve_group(graph: Graph, group: LayerGroup, *, tp: int, cost: CostModel, tp
                 dtype: str = "bfloat16", micro_batch_scale: float = 1.0, boundary_in: str | None = None,
                 options: IntraOpOptions = IntraOpOptions(), boundary_out: str | None = None,
                 fixed_params: dict[str, str] | None = None,
-                requires_grad: frozenset[str] | None = None) -> GroupSolution:
+                requires_grad: frozenset[str] | None = None, chain: bool | None = None) -> GroupSolution:
     """Choose every op's tp sharding in ``group``.
 
     ``boundary_in``/``boundary_out`` fix the placement of the residual stream entering/leaving the group (None: the
     solver chooses; for a ``block`` with ``boundary_out=None`` the output must equal the input placement so identical
-    blocks chain). ``fixed_params`` pins parameters shared with an already solved group (internal placements).
+    blocks chain; ``chain=False`` drops that rule for a block that has no identical neighbour). ``fixed_params``
+    pins parameters shared with an already solved group (internal placements).
     ``requires_grad``: :func:`~autopar.planner.intra_op.coster.gradient_values` of ``graph`` when the caller has it."""
     if tp < 1:
         raise ValueError(f"tp must be >= 1, got {tp}")
@@ -194,7 +195,8 @@ def solve_group(graph: Graph, group: LayerGroup, *, tp: int, cost: CostModel, tp
     m = _build(graph, group, tp, co, boundary_in if tp > 1 else None, boundary_out if tp > 1 else None,
                dict(fixed_params or {}) if tp > 1 else {})
     hint = _replicate_choices(m)
-    num, ncost, edges, mem, pairs, shared = _core_inputs(m, co, boundary_out is None and group.role == "block")
+    chained = boundary_out is None and (group.role == "block" if chain is None else chain)
+    num, ncost, edges, mem, pairs, shared = _core_inputs(m, co, chained)
     if options.param_byte_price_s > 0:
         add_param_memory_price(graph, m, ncost, tp, options.param_byte_price_s * options.param_state_bytes)
     if tp == 1:
@@ -250,8 +252,18 @@ def solve_graph(graph: Graph, *, tp: int, cost: CostModel, tp_span: GroupSpan, d
                tuple(sorted((p, fixed[p]) for p in g.params if p in fixed)), g.role)
         if key in cache and g.role == "block":
             return replace(cache[key], group_index=g.index)
-        sol = solve_group(graph, g, boundary_in=b_in, boundary_out=b_out,
-                          fixed_params={p: fixed[p] for p in g.params if p in fixed}, **kw)  # type: ignore[arg-type]
+        pinned = {p: fixed[p] for p in g.params if p in fixed}
+        try:
+            sol = solve_group(graph, g, boundary_in=b_in, boundary_out=b_out, fixed_params=pinned,
+                              **kw)  # type: ignore[arg-type]
+        except ValueError:
+            # A block leaves in the placement it entered in, so that it chains with its copies.  A block that occurs
+            # once and cannot (a conv-net's BatchNorm entered batch-split: BatchNorm splits channels only) may leave
+            # in another placement.
+            if g.role != "block" or counts[g.structural_hash] > 1 or b_out is not None:
+                raise
+            sol = solve_group(graph, g, boundary_in=b_in, boundary_out=b_out, fixed_params=pinned, chain=False,
+                              **kw)  # type: ignore[arg-type]
         cache[key] = sol
         for p, pl in sol.param_placements.items():
             k = sol.param_split_factors.get(p, 1)

@@ -50,10 +50,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2, help="steps excluded from the timing statistics")
     p.add_argument("--seq", type=int, default=None, help="sequence length override for language models")
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--init", choices=["seed", "copy"], default=None,
+    p.add_argument("--init", default=None,
                    help="seed (zoo models only; their default): meta model initialized shard by shard with the zoo's "
                         "rules; copy (the default for package.module:factory models): the factory's own weights, "
-                        "copied shard by shard")
+                        "copied shard by shard; model: the model's own initialization, shard by shard; or a "
+                        "checkpoint path (read shard by shard)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--report", default=None,
                    help="write a JSON report here (rank 0), with a SHA-256 of every final parameter (model layout)")
@@ -162,9 +163,9 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
                     "%s (plan with --dtype %s to compare like with like)", plan.dtype, param_dtype, plan.dtype,
                     param_dtype)
     src = spec if args.init == "copy" else build(args.model, batch=plan.global_batch, device="meta", seq=args.seq)
+    init = init_weights if args.init == "seed" else args.init  # "copy", "model" or a checkpoint path
     program = build_program(plan, src, loss_fn=spec.loss_fn, example_inputs=spec.example_inputs, graph=graph,
-                            device=default_device(), init="copy" if args.init == "copy" else init_weights,
-                            seed=args.seed)
+                            device=default_device(), init=init, seed=args.seed)
     return plan, spec, program
 
 

@@ -232,3 +232,29 @@ def test_zoo_tiny_solves_at_tp2(cm: CostModel, name: str, monkeypatch: pytest.Mo
         assert s.param_elems == pytest.approx(want)
         assert 0 <= s.act_bytes_selective <= s.act_bytes_none  # selective recompute saves a subset
     assert sum(s.act_bytes_none for s in sols) > 0
+
+
+def test_single_block_may_leave_in_another_placement(cm: CostModel) -> None:
+    """A block that occurs once need not map its input placement to itself: here the convolution (a block of its
+    own) is cheapest batch-split, and the BatchNorm block after it can split channels only (a batch split would
+    change its statistics).  Requiring the BatchNorm block to leave batch-split made tp=2 infeasible; repeated
+    blocks keep the rule (they must chain with their copies)."""
+    class ConvBN(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.b = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.BatchNorm2d(16),
+                                         torch.nn.ReLU())
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(x).mean((2, 3))
+
+    g = ir.trace(ConvBN(), torch.randn(4, 3, 16, 16))
+    bn = next(layer for layer in g.layers if any(n.op == "batch_norm" for n in g.group_nodes(layer)))
+    assert bn.role == "block"
+    kw = dict(tp=2, cost=cm, tp_span=cm.span(2), boundary_in="S(0)", options=IntraOpOptions(time_limit_s=5))
+    with pytest.raises(ValueError, match="infeasible"):
+        solve_group(g, bn, **kw)  # a repeated block's rule: leave batch-split as entered
+    sol = solve_group(g, bn, chain=False, **kw)
+    assert sol.boundary_in == "S(0)" and sol.boundary_out != "S(0)"
+    sols = solve_graph(g, tp=2, cost=cm, tp_span=cm.span(2), options=IntraOpOptions(time_limit_s=5))
+    assert all(s.status in ("optimal", "feasible") for s in sols)
