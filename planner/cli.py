@@ -201,7 +201,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         try:
             return int(run_plan(args.plan, args.model, steps=args.steps, nproc=args.nproc,
                                 extra_torchrun_args=args.torchrun_args or [], worker_args=worker,
-                                max_restarts=args.max_restarts, timeout_s=args.timeout))
+                                max_restarts=args.max_restarts, timeout_s=args.timeout, summarize=True))
         except TimeoutError as e:
             print(f"autopar: error: {e}", file=sys.stderr)
             return 124
@@ -238,8 +238,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="autopar", description="Automatic parallelization planner for PyTorch training")
+    p = _Parser(prog="autopar", description="Automatic parallelization planner for PyTorch training")
     p.add_argument("-v", "--verbose", action="store_true", help="log progress and details")
+    p.add_argument("--debug", action="store_true", help="show the traceback of any error")
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("trace", help="trace a model into the graph IR and summarize it")
@@ -335,16 +336,85 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line (``autopar: error: ...``, exit 2), like every other expected failure."""
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        self.exit(2, f"autopar: error: {_one_line(message)} (see `{self.prog} --help`)\n")
+
+
+def _one_line(text: object, limit: int = 2000) -> str:
+    s = " ".join(str(text).split())
+    return s if len(s) <= limit else s[:limit] + "..."
+
+
+def _os_error(e: OSError) -> str:
+    """An OSError as what failed on which file, and what to do."""
+    import errno
+
+    where = f" {e.filename!s}" if e.filename is not None else ""
+    fix = {errno.ENOSPC: "free space or choose another directory",
+           errno.EACCES: "check the permissions or choose another path",
+           errno.EPERM: "check the permissions or choose another path",
+           errno.EROFS: "the file system is read-only: choose another path",
+           errno.EISDIR: "that is a directory: give a file path",
+           errno.ENOENT: "check the path (does its directory exist?)",
+           errno.ENOTDIR: "a part of the path is not a directory"}.get(e.errno or 0, "check the path")
+    return f"{e.strerror or type(e).__name__}:{where}; {fix}"
+
+
+def _check_output(path: str, flag: str) -> None:
+    """Refuse an output path that cannot be written, before the work that would fill it (a run's report is
+    written after the last training step)."""
+    import os
+
+    p = Path(path)
+    parent = p.resolve().parent
+    if p.is_dir():
+        raise ValueError(f"{flag} {_clip(path)} is a directory; give a file path (e.g. {_clip(path)}/out)")
+    if not parent.is_dir():
+        raise ValueError(f"{flag} {_clip(path)}: directory {_clip(parent)} does not exist; create it first")
+    if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise ValueError(f"{flag} {_clip(path)} is not writable (permissions or a read-only file system); choose "
+                         "another path")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """The error boundary: expected failures (bad input, an OSError on a named file, a worker's failure) print one
+    line and exit 2; anything else is an internal error (exit 1) whose traceback ``--debug`` shows."""
     from autopar.ir.errors import AutoparError
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv[:argv.index("--torchrun-args")] if "--torchrun-args" in argv else "--debug" in argv
+    if debug:  # accepted anywhere on the line (before a run's --torchrun-args)
+        argv.remove("--debug")
     args = build_parser().parse_args(argv)
+    args.debug = debug
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     try:
+        for flag in ("output", "report", "trace", "html"):  # before the work whose result they would hold
+            if isinstance(getattr(args, flag, None), str):
+                _check_output(getattr(args, flag), f"--{flag}")
         return int(args.func(args))
     except (AutoparError, ValueError, FileNotFoundError) as e:
-        print(f"autopar: error: {e}", file=sys.stderr)
+        if args.debug:
+            raise
+        print(f"autopar: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except OSError as e:
+        if args.debug:
+            raise
+        print(f"autopar: error: {_one_line(_os_error(e))}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("autopar: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if args.debug:
+            raise
+        print(f"autopar: internal error: {_one_line(f'{type(e).__name__}: {e}', 300)} (an autopar bug: run again "
+              "with --debug for the traceback and report it)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

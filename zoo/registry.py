@@ -21,6 +21,7 @@ from torch import nn
 
 from autopar.zoo._init import materialize
 from autopar.zoo.catalog import SIZES, Family, list_models, unknown_model
+from autopar.zoo.factory_guard import guarded
 from autopar.zoo.gpt import GPT, GPTConfig
 from autopar.zoo.llama import Llama, LlamaConfig
 from autopar.zoo.mlp import MLPConfig, MLPModel
@@ -163,7 +164,7 @@ def _load_factory(ref: str) -> Callable[..., Any]:
     if not module_name or not attr:
         raise ValueError(f"model {ref!r} must look like 'package.module:factory'")
     try:
-        module = importlib.import_module(module_name)
+        module = guarded(ref, "importing the module of model", lambda: importlib.import_module(module_name))
     except ImportError as exc:
         raise ValueError(f"cannot import module {module_name!r} for model {ref!r}: {exc}; check the name and that "
                          "its directory is on PYTHONPATH") from exc
@@ -190,7 +191,7 @@ def _build_custom(ref: str, *, batch: int, device: torch.device | str, dtype: to
         kwargs = offered
     else:
         kwargs = {k: v for k, v in offered.items() if k in params}
-    result = factory(**kwargs)
+    result = guarded(ref, "model factory", lambda: factory(**kwargs))
     if isinstance(result, ModelSpec):
         return result
     inputs: tuple[torch.Tensor, ...] = ()

@@ -9,18 +9,26 @@ workers (given a checkpoint directory) resume from the latest checkpoint; see :m
 
 from __future__ import annotations
 
+import errno
+import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from autopar import ir
+from autopar.ir.errors import AutoparError
+from autopar.planner.run.worker import FAILURE_DIR_ENV
 
 __all__ = ["check_checkpoint_dir", "checkpoint_lock", "run_plan", "torchrun_command"]
 
@@ -93,39 +101,78 @@ def checkpoint_lock(directory: str | Path | None) -> Iterator[None]:
 
 def run_plan(plan_path: str | Path, model_name: str, steps: int, nproc: int | None = None,
              extra_torchrun_args: Sequence[str] = (), worker_args: Sequence[str] = (),
-             timeout_s: float | None = None, max_restarts: int = 0) -> int:
+             timeout_s: float | None = None, max_restarts: int = 0, summarize: bool = False) -> int:
     """Run the plan under torchrun (gloo on CPU, nccl on CUDA) and return torchrun's exit code.
+
+    ``summarize``: raise :class:`WorkerFailure` (one line: the failing rank and its cause, out-of-space first)
+    instead of returning a non-zero exit code.  ``timeout_s`` counts from the call (the launcher's checks included).
 
     The workers log loss and step time per step and, at the end, measured vs predicted step time per stage.
     torchrun runs in its own process group; past ``timeout_s`` (raises ``TimeoutError``) or on Ctrl-C that whole
     group (torchrun and every worker, restarted ones included) is terminated."""
     from autopar.planner.run.preflight import plan_graph
 
+    start = time.monotonic()  # --timeout counts from here: the checks below are part of the run
     cmd = torchrun_command(plan_path, model_name, steps, nproc, extra_torchrun_args, worker_args, max_restarts)
     plan_graph(ir.load_plan(plan_path), model_name)  # another model's plan, or one that does not fit it, stops here
     env = dict(os.environ)
+    failures = tempfile.mkdtemp(prefix="autopar-failures-")
+    env[FAILURE_DIR_ENV] = failures
     env.setdefault("OMP_NUM_THREADS", "1")
     if not torch.cuda.is_available():
         # gloo: connect process pairs on first use.  Eagerly connecting the full mesh fails intermittently
         # ("connectFullMesh ... Connection refused") or hangs when torchrun restarts the group after a failure.
         env.setdefault("TORCH_GLOO_LAZY_INIT", "1")
     log.info("launching: %s", " ".join(cmd))
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:
-        return proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        _stop_group(proc)
-        raise TimeoutError(f"torchrun did not finish within {timeout_s} s; stopped it and its workers") from None
-    except BaseException:
-        _stop_group(proc)
-        raise
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        try:
+            left = None if timeout_s is None else max(0.0, timeout_s - (time.monotonic() - start))
+            rc = proc.wait(timeout=left)
+        except subprocess.TimeoutExpired:
+            _stop_group(proc)
+            raise TimeoutError(f"the run did not finish within {timeout_s:g} s (stopped after "
+                               f"{time.monotonic() - start:.1f} s): torchrun and its workers are stopped") from None
+        except BaseException:
+            _stop_group(proc)
+            raise
+        if rc and summarize:
+            raise WorkerFailure(_summary(Path(failures), rc))
+        return rc
+    finally:
+        shutil.rmtree(failures, ignore_errors=True)
+
+
+class WorkerFailure(AutoparError):
+    """A worker rank failed; the message is one line naming the rank and the cause."""
+
+
+def _summary(failures: Path, rc: int) -> str:
+    """One line for a failed run: the rank and cause, a full disk first (it explains the others' failures)."""
+    found = []
+    for f in failures.glob("rank*.txt"):
+        try:
+            found.append(json.loads(f.read_text()))
+        except (OSError, ValueError):
+            continue
+    if not found:
+        return (f"the workers failed (torchrun exit {rc}) without reporting a cause: a rank was killed or ran out "
+                "of memory? see the output above")
+
+    def order(r: dict[str, Any]) -> tuple[int, int]:
+        full = r.get("errno") == errno.ENOSPC or "No space left" in r["cause"]
+        return (0 if full else 1, int(r["rank"]) if str(r["rank"]).isdigit() else 1 << 30)
+
+    first = min(found, key=order)
+    others = f" ({len(found) - 1} other rank(s) failed too)" if len(found) > 1 else ""
+    return f"rank {first['rank']} failed: {first['cause']}{others}; the workers' output is above"
 
 
 def _stop_group(proc: subprocess.Popen[bytes]) -> None:
     """SIGTERM torchrun's process group (torchrun forwards it to its workers), then SIGKILL whatever is left."""
     _killpg(proc.pid, signal.SIGTERM)
     try:
-        proc.wait(timeout=10.0)
+        proc.wait(timeout=3.0)
     except subprocess.TimeoutExpired:
         pass
     _killpg(proc.pid, signal.SIGKILL)

@@ -288,6 +288,24 @@ def format_report(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+FAILURE_DIR_ENV = "AUTOPAR_FAILURE_DIR"
+"""Set by the launcher: each failing rank writes ``rank<N>.txt`` there, one line, for its one-line summary."""
+
+
+def _record_failure(e: BaseException) -> None:
+    where = os.environ.get(FAILURE_DIR_ENV)
+    if not where:
+        return
+    text = str(e).strip().splitlines()[0][:500] if str(e).strip() else ""
+    line = f"{type(e).__name__}: {text}" if text else type(e).__name__
+    rank = os.environ.get("RANK", "?")
+    try:
+        with open(os.path.join(where, f"rank{rank}.txt"), "w") as f:
+            f.write(json.dumps({"rank": rank, "cause": line, "errno": getattr(e, "errno", None)}))
+    except OSError:  # the summary is best effort (a full disk may refuse it too)
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
@@ -301,8 +319,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             log.info("measured vs predicted (per stage: one step's micro-batches, stage in isolation)\n%s",
                      format_report(report))
             if args.report:
-                with open(args.report, "w") as f:
-                    json.dump(report, f, indent=1)
+                from autopar.ir.safe_yaml import write_atomic
+
+                write_atomic(args.report, json.dumps(report, indent=1))
+    except BaseException as e:
+        _record_failure(e)
+        raise
     finally:
         try:  # every rank finishes before any tears down (gloo aborts a peer whose connections close early)
             dist.barrier()

@@ -3,6 +3,7 @@ bounded inputs, one-line errors with exit code 2 and an internal-error boundary,
 
 from __future__ import annotations
 
+import os
 import textwrap
 from pathlib import Path
 
@@ -194,3 +195,135 @@ def test_decode_errors_name_the_file(capsys: pytest.CaptureFixture[str], tmp_pat
     assert "binary.yaml" in _fast_error(capsys, ["show", str(binary)])
     assert "binary.yaml" in _fast_error(capsys, ["plan", "gpt-tiny", "--cluster", str(binary), "--global-batch",
                                                  "8", "-q"])
+
+
+# ------------------------------------------------------------------------------------------- the error boundary
+
+_FACTORIES = textwrap.dedent('''
+    import sys
+    import time
+
+
+    def raises(batch=1, device="cpu"):
+        raise RuntimeError("the weights server said no\\nsecond line")
+
+
+    def exits(batch=1, device="cpu"):
+        sys.exit(0)
+
+
+    def hangs(batch=1, device="cpu"):
+        time.sleep(120)
+''')
+
+
+@pytest.fixture()
+def factories(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    (tmp_path / "autopar_bad_factories.py").write_text(_FACTORIES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "autopar_bad_factories"
+
+
+def test_factory_failures_are_one_line_errors(capsys: pytest.CaptureFixture[str], factories: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    err = _err(capsys, ["trace", f"{factories}:raises"])
+    assert "failed: RuntimeError: the weights server said no" in err and "second line" not in err, err
+    err = _err(capsys, ["trace", f"{factories}:exits"])
+    assert "called sys.exit(0) instead of returning a model" in err, err
+    monkeypatch.setenv("AUTOPAR_FACTORY_TIMEOUT_S", "1")
+    t0 = time.monotonic()
+    err = _err(capsys, ["trace", f"{factories}:hangs"])
+    assert "did not finish within 1 s" in err and time.monotonic() - t0 < 10, err
+
+
+def test_unexpected_errors_say_internal_error(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    report = importlib.import_module("autopar.planner.report")
+    p = tmp_path / "plan.yaml"
+    dump_plan(_plan("gpt-tiny"), p)
+
+    def broken(*a: object, **k: object) -> str:
+        raise KeyError("oops")
+
+    monkeypatch.setattr(report, "render_plan", broken)
+    assert main(["show", str(p)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("autopar: internal error: KeyError") and "--debug" in err and err.count("\n") == 1, err
+    with pytest.raises(KeyError):
+        main(["show", str(p), "--debug"])
+
+
+def test_usage_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as ei:
+        main(["plan", "gpt-tiny", "--nodes", "1e30", "--cluster", "dgx-h100", "--global-batch", "8"])
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "invalid int value: '1e30'" in err and "--help" in err, err
+
+
+def test_output_paths_are_checked_before_the_work(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+    import subprocess
+
+    search = importlib.import_module("autopar.planner.search")  # (autopar.planner.search is the function)
+
+    def no_work(*a: object, **k: object) -> None:
+        raise AssertionError("the work started")
+
+    monkeypatch.setattr(search, "search", no_work)
+    monkeypatch.setattr(subprocess, "Popen", no_work)
+    base = ["plan", "gpt-tiny", "--cluster", "dgx-h100", "--global-batch", "8", "-q"]
+    assert "is a directory" in _err(capsys, [*base, "-o", str(tmp_path)])
+    assert "does not exist" in _err(capsys, [*base, "-o", str(tmp_path / "no" / "p.yaml")])
+    p = tmp_path / "plan.yaml"
+    dump_plan(_plan("gpt-tiny"), p)
+    err = _err(capsys, ["run", str(p), "--model", "gpt-tiny", "--report", str(tmp_path / "missing" / "r.json")])
+    assert "--report" in err and "does not exist" in err, err
+
+
+def test_os_errors_name_the_file_and_the_fix(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+    import importlib
+
+    timeline = importlib.import_module("autopar.planner.timeline")
+    report = importlib.import_module("autopar.planner.report")
+    p = tmp_path / "plan.yaml"
+    dump_plan(_plan("gpt-tiny", tp=1), p)
+    target = str(tmp_path / "t.json")
+    for code, fix in ((errno.EROFS, "read-only"), (errno.ENOSPC, "free space"), (errno.EACCES, "permissions")):
+        def fail(*a: object, code: int = code, **k: object) -> int:
+            raise OSError(code, os.strerror(code), target)
+
+        monkeypatch.setattr(timeline, "schedule_trace", fail)
+        monkeypatch.setattr(report, "schedule_trace", fail, raising=False)
+        err = _err(capsys, ["show", str(p), "--trace", target])
+        assert target in err and fix in err, err
+    unreadable = tmp_path / "dir.yaml"
+    unreadable.mkdir()
+    assert "dir.yaml" in _err(capsys, ["show", str(unreadable)])
+
+
+def test_worker_failure_summary_puts_a_full_disk_first(tmp_path: Path) -> None:
+    import errno
+    import json
+
+    from autopar.planner.run.torchrun import _summary
+
+    (tmp_path / "rank0.txt").write_text(json.dumps({"rank": "0", "cause": "RuntimeError: Connection closed by peer",
+                                                    "errno": None}))
+    (tmp_path / "rank3.txt").write_text(json.dumps({"rank": "3", "cause": "OSError: [Errno 28] No space left on "
+                                                    "device: '/ck/.tmp-step_2/__3_0.distcp'",
+                                                    "errno": errno.ENOSPC}))
+    line = _summary(tmp_path, 1)
+    assert line.startswith("rank 3 failed: OSError: [Errno 28] No space left") and "1 other rank" in line, line
+    assert "\n" not in line
+    (tmp_path / "rank3.txt").unlink()
+    assert _summary(tmp_path, 1).startswith("rank 0 failed: RuntimeError: Connection closed")
+    (tmp_path / "rank0.txt").unlink()
+    assert "without reporting a cause" in _summary(tmp_path, 1)
