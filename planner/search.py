@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 from autopar.ir.errors import AutoparError
 from autopar.ir.graph import Graph
@@ -27,12 +27,12 @@ from autopar.planner.intra_op import IntraOpOptions, solve_graph
 from autopar.planner.intra_op.coster import gradient_values
 from autopar.planner.intra_op.cpsat import CPSAT_WORKERS
 from autopar.planner.options import PlanOptions
-from autopar.planner.pool import fork_available, map_ordered
+from autopar.planner.pool import Pool
 from autopar.profiles.builtin import with_nodes
 from autopar.profiles.cost import CostModel
 from autopar.profiles.schema import ClusterProfile
 
-__all__ = ["SearchResult", "PlanInfeasibleError", "search"]
+__all__ = ["PlanInfeasibleError", "SearchResult", "search"]
 
 log = logging.getLogger(__name__)
 Progress = Callable[[str, float], None]
@@ -165,11 +165,21 @@ class _Tables:
             self._cache[key] = self.solve(key)
         return self._cache[key]
 
-    def prefetch(self, keys: list[tuple[int, int, bool]], workers: int) -> None:
-        """Solve the missing ``keys`` on up to ``workers`` processes (the largest tp first: the longest solves)."""
+    def prefetch(self, keys: list[tuple[int, int, bool]], pool: Pool[_Screening]) -> None:
+        """Solve the missing ``keys`` on the pool's workers (the largest tp first: the longest solves)."""
         todo = sorted({k for k in keys if k not in self._cache}, key=lambda k: (-k[0], k[1], k[2]))
-        for k, table in zip(todo, map_ordered(_solve_task, self, todo, workers)):
+        for k, table in zip(todo, pool.map(_solve_task, todo)):
             self._cache[k] = table
+
+    def numbers(self, key: tuple[int, int, bool]) -> LayerTable | None:
+        """The solved table for ``key`` without its per-group solutions (what screening reads, a fraction of the
+        bytes to send to a worker)."""
+        table = self._cache[key]
+        return None if table is None else replace(table, solutions=())
+
+    def adopt(self, tables: dict[tuple[int, int, bool], LayerTable | None]) -> None:
+        """Take tables solved elsewhere (in a worker: by the parent or another worker)."""
+        self._cache.update(tables)
 
     def variants(self, tp: int, mb: int) -> list[tuple[bool, LayerTable]]:
         """The fastest sharding and, when it differs in parameter memory, the memory-lean one."""
@@ -183,13 +193,9 @@ class _Tables:
                                   sum(lean.params) < sum(fast.params) * 0.999 else [])
 
 
-def _solve_task(tables: _Tables, key: tuple[int, int, bool]) -> LayerTable | None:
-    return tables.solve(key)
-
-
 @dataclass(frozen=True)
 class _Screening:
-    """What screening one ``(tp, pp)`` needs; forked workers inherit it."""
+    """What screening one ``(tp, pp)`` and evaluating a finalist need; forked workers inherit it."""
 
     graph: Graph
     profile: ClusterProfile
@@ -253,16 +259,49 @@ def _screen_unit(s: _Screening, unit: tuple[int, int]) -> tuple[list[Screened], 
     return out, count, min_peak
 
 
+def _solve_task(s: _Screening, key: tuple[int, int, bool]) -> LayerTable | None:
+    return s.tables.solve(key)
+
+
+def _screen_task(s: _Screening, task: tuple[list[tuple[int, int]], dict[tuple[int, int, bool], LayerTable | None]]
+                 ) -> list[tuple[list[Screened], int, float]]:
+    """Screen ``(tp, pp)`` units in a worker, with the tables they read (solved elsewhere, sent along)."""
+    units, tables = task
+    s.tables.adopt(tables)
+    return [_screen_unit(s, u) for u in units]
+
+
+def _screen_tasks(s: _Screening, units: list[tuple[int, int]], keys: list[tuple[int, int, bool]], workers: int
+                  ) -> list[tuple[list[int], tuple[list[tuple[int, int]], dict]]]:
+    """Units grouped by tp (each group's tables travel once, without the per-group solutions screening does not
+    read), a tp's units dealt round-robin into several tasks when there are fewer tps than workers; with the
+    indices of their units."""
+    tps = list(dict.fromkeys(tp for tp, _ in units))
+    split = -(-workers // len(tps))
+    out = []
+    for tp in tps:
+        idx = [i for i, u in enumerate(units) if u[0] == tp]
+        mine = {k: s.tables.numbers(k) for k in dict.fromkeys(keys) if k[0] == tp}
+        for part in (idx[j::split] for j in range(min(split, len(idx)))):
+            out.append((part, ([units[i] for i in part], mine)))
+    return out
+
+
 def _screen_all(graph: Graph, profile: ClusterProfile, options: PlanOptions, tables: _Tables,
-                progress: Progress | None) -> tuple[list[Screened], int, float]:
-    """Screen every candidate; with ``options.workers > 1`` the tables, then the ``(tp, pp)`` units, are computed
-    in worker processes and merged in the serial order, so the result does not depend on the worker count."""
-    s = _Screening(graph, profile, options, tables, ScreenMemo())
+                progress: Progress | None, pool: Pool[_Screening] | None = None) -> tuple[list[Screened], int, float]:
+    """Screen every candidate; on a parallel ``pool`` (whose state is this search's :class:`_Screening`) the tables,
+    then the ``(tp, pp)`` units, are computed in worker processes and merged in the serial order, so the result does
+    not depend on the worker count."""
+    s = pool.state if pool is not None else _Screening(graph, profile, options, tables, ScreenMemo())
     units, keys = _units(s)
-    pooled = options.workers > 1 and fork_available() and len(units) > 1
-    if pooled:
-        tables.prefetch(keys, options.workers)
-    done = map_ordered(_screen_unit, s, units, options.workers) if pooled else None
+    done: list[tuple[list[Screened], int, float]] | None = None
+    if pool is not None and pool.parallel and len(units) > 1:
+        tables.prefetch(keys, pool)
+        tasks = _screen_tasks(s, units, keys, options.workers)
+        done = [None] * len(units)  # type: ignore[list-item]
+        for (idx, _), res in zip(tasks, pool.map(_screen_task, [t for _, t in tasks])):
+            for i, r in zip(idx, res):
+                done[i] = r
     out: list[Screened] = []
     count, min_peak = 0, float("inf")
     tps = list(dict.fromkeys(tp for tp, _ in units))
@@ -290,7 +329,8 @@ def _smallest_fitting_nodes(graph: Graph, profile: ClusterProfile, options: Plan
         gb = max(options.global_batch, world)
         opts = replace(base, global_batch=gb, max_tp=prof.devices_per_node)
         tables = _Tables(graph, CostModel(prof), opts)
-        fits, _, _ = _screen_all(graph, prof, opts, tables, None)
+        with Pool(_Screening(graph, prof, opts, tables, ScreenMemo()), opts.workers) as pool:
+            fits, _, _ = _screen_all(graph, prof, opts, tables, None, pool)
         if fits:
             return nodes
         nodes *= 2
@@ -309,7 +349,12 @@ def search(graph: Graph, profile: ClusterProfile, options: PlanOptions,
                          f"{graph.model_name or 'the model'} (a stage holds at least one); pin pp <= {groups // vs}")
     cost = CostModel(profile)
     tables = _Tables(graph, cost, options)
-    feasible, count, min_peak = _screen_all(graph, profile, options, tables, progress)
+    with Pool(_Screening(graph, profile, options, tables, ScreenMemo()), options.workers) as pool:
+        feasible, count, min_peak = _screen_all(graph, profile, options, tables, progress, pool)
+        finalists = _finalists(feasible, options)
+        # the exact evaluations run on the workers when they are up (each takes its table along)
+        args = [(f, tables.get(f.cand.tp, f.cand.micro_batch, f.cand.lean)) for f in finalists]
+        built = pool.map(_build_task, args) if pool.started else [_build_task(pool.state, a) for a in args]
     if not feasible:
         if count == 0:
             if not options.pins:  # every device must be used: pp*dp*tp = world with dp <= batch, pp <= layer groups
@@ -331,16 +376,7 @@ def search(graph: Graph, profile: ClusterProfile, options: PlanOptions,
         elif options.pins:
             msg += " Try without pins, or on more nodes."
         raise PlanInfeasibleError(msg)
-    feasible.sort(key=lambda s: (s.time_s, s.peak_mem))
-    plans: list[Plan] = []
-    seen: set[Candidate] = set()
-    for s in feasible[: max(_EXACT, options.top_k + 1)]:
-        if s.cand in seen:
-            continue
-        seen.add(s.cand)
-        plan = build_plan(graph, profile, options, s, tables.get(s.cand.tp, s.cand.micro_batch, s.cand.lean), cost)
-        if plan is not None:
-            plans.append(plan)
+    plans = [p for p in built if p is not None]
     if not plans:
         raise PlanInfeasibleError("every screened plan failed the exact memory check; try more nodes")
     plans.sort(key=lambda p: p.time.total)
@@ -350,6 +386,24 @@ def search(graph: Graph, profile: ClusterProfile, options: PlanOptions,
     best = replace(best, solver=replace(best.solver, wall_s=wall, candidates=count))
     log.info("searched %d candidates in %.2fs; best %s", count, wall, _describe(best))
     return SearchResult(best=best, alternatives=tuple(plans[1: options.top_k + 1]), screened=count, wall_s=wall)
+
+
+def _finalists(feasible: list[Screened], options: PlanOptions) -> list[Screened]:
+    """The best screened candidates (each once), to be evaluated exactly; sorts ``feasible`` by time."""
+    feasible.sort(key=lambda s: (s.time_s, s.peak_mem))
+    out: list[Screened] = []
+    seen: set[Candidate] = set()
+    for s in feasible[: max(_EXACT, options.top_k + 1)]:
+        if s.cand not in seen:
+            seen.add(s.cand)
+            out.append(s)
+    return out
+
+
+def _build_task(s: _Screening, arg: tuple[Screened, LayerTable | None]) -> Plan | None:
+    screened, table = arg
+    assert table is not None, "a screened candidate's table was solved"
+    return build_plan(s.graph, s.profile, s.options, screened, table, s.tables.cost)
 
 
 def _model_notes(plan: Plan, graph: Graph) -> Plan:

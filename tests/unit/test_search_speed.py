@@ -16,7 +16,7 @@ from autopar.ir.plan import plan_to_yaml
 from autopar.ir.trace_cache import cached_graph
 from autopar.planner.inter_op.schedule import peak_in_flight, peak_in_flight_count, rank_order
 from autopar.planner.options import PlanOptions
-from autopar.planner.pool import available_cores, fork_available, map_ordered
+from autopar.planner.pool import Pool, available_cores, fork_available, map_ordered
 from autopar.profiles.builtin import load_builtin
 from autopar.zoo import build
 
@@ -34,18 +34,20 @@ def _texts(result: search_mod.SearchResult) -> list[str]:
 
 
 def test_plan_bytes_identical_for_any_worker_count(tiny: ir.Graph, monkeypatch: pytest.MonkeyPatch) -> None:
-    pooled: list[int] = []
+    pooled: list[str] = []
+    real_map = Pool.map
 
-    def spy(fn, state, args, workers):  # records that the pool path ran
-        pooled.append(workers)
-        return map_ordered(fn, state, args, workers)
+    def spy(self, fn, args):  # records which phases ran on the workers
+        if self.parallel and len(args) > 1:
+            pooled.append(fn.__name__)
+        return real_map(self, fn, args)
 
-    monkeypatch.setattr(search_mod, "map_ordered", spy)
+    monkeypatch.setattr(Pool, "map", spy)
     prof = load_builtin("dgx-h100", nodes=2)
     one = search_mod.search(tiny, prof, PlanOptions(global_batch=32, workers=1))
     assert pooled == []
     two = search_mod.search(tiny, prof, PlanOptions(global_batch=32, workers=2))
-    assert pooled == ([2, 2] if fork_available() else [])
+    assert pooled == (["_solve_task", "_screen_task", "_build_task"] if fork_available() else [])
     assert one.screened == two.screened
     assert _texts(one) == _texts(two)
 
@@ -171,3 +173,26 @@ def test_layer_table_sums_equal_the_per_parameter_ones(tiny: ir.Graph) -> None:
         assert _local_sum(sizes, placements, 2) == _local_elems(tiny, g.params, placements, 2)
         assert _largest_local(sizes, placements, 2) == max(
             (_local_elems(tiny, (n,), placements, 2) for n in g.params), default=0.0)
+
+
+def test_screen_tasks_cover_every_unit_once(tiny: ir.Graph) -> None:
+    from autopar.planner.inter_op.screen import ScreenMemo
+    from autopar.profiles.cost import CostModel
+
+    prof = load_builtin("dgx-h100", nodes=2)
+    for pins, workers in (({}, 2), ({"tp": 2}, 2), ({"tp": 2}, 3)):
+        opts = PlanOptions(global_batch=32, workers=1, pins=pins)
+        tables = search_mod._Tables(tiny, CostModel(prof), opts)
+        s = search_mod._Screening(tiny, prof, opts, tables, ScreenMemo())
+        units, keys = search_mod._units(s)
+        for k in keys:
+            tables.get(*k)
+        tasks = search_mod._screen_tasks(s, units, keys, workers)
+        assert sorted(i for idx, _ in tasks for i in idx) == list(range(len(units)))
+        assert len(tasks) >= min(workers, len(units))
+        for idx, (us, sent) in tasks:
+            assert us == [units[i] for i in idx] and len({tp for tp, _ in us}) == 1
+            assert all(k[0] == us[0][0] for k in sent) and all(t is None or t.solutions == () for t in sent.values())
+    one = search_mod.search(tiny, prof, PlanOptions(global_batch=32, workers=1, pins={"tp": 2}))
+    three = search_mod.search(tiny, prof, PlanOptions(global_batch=32, workers=3, pins={"tp": 2}))
+    assert _texts(one) == _texts(three)
