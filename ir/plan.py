@@ -190,6 +190,8 @@ class SolverReport:
     gap: float = 0.0
     """Relative optimality gap of the intra-op solve (0 when proven optimal)."""
     wall_s: float = 0.0
+    """Search wall time: shown by ``autopar plan`` and kept in its side report (``PLAN.search.json``), never written
+    into the plan's YAML, so the same search gives byte-identical plans (older files carrying it still load)."""
     candidates: int = 0
     """Mesh/micro-batch/schedule candidates evaluated."""
     seed: int = 0
@@ -299,7 +301,9 @@ class Plan:
 
 
 def plan_to_yaml(plan: Plan) -> str:
-    return yaml.safe_dump(to_data(plan), sort_keys=False, width=120)
+    data = to_data(plan)
+    data["solver"].pop("wall_s", None)  # machine-dependent: the side report has it (byte-identical plans)
+    return yaml.safe_dump(data, sort_keys=False, width=120)
 
 
 def plan_from_yaml(text: str) -> Plan:

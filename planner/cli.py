@@ -125,8 +125,24 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     print("\n" + alternatives if alternatives else "", end="")
     if args.output:
         dump_plan(result.best, args.output)
+        _search_report(args.output, result)
         print(f"wrote {args.output}")
     return 0
+
+
+def _search_report(plan_path: str, result: Any) -> Path:
+    """``PLAN.search.json`` beside the plan: how the search went, with its wall time (which the plan's YAML leaves
+    out, so that planning the same model twice writes the same bytes)."""
+    import json
+
+    from autopar.ir.safe_yaml import write_atomic
+
+    s = result.best.solver
+    side = Path(plan_path).with_suffix(".search.json")
+    write_atomic(side, json.dumps({"plan": str(plan_path), "wall_s": result.wall_s, "candidates": s.candidates,
+                                   "screened": result.screened, "status": s.status, "gap": s.gap, "seed": s.seed,
+                                   "workers": s.workers, "alternatives": len(result.alternatives)}, indent=1))
+    return side
 
 
 def _cmd_show(args: argparse.Namespace) -> int:

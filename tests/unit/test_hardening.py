@@ -327,3 +327,22 @@ def test_worker_failure_summary_puts_a_full_disk_first(tmp_path: Path) -> None:
     assert _summary(tmp_path, 1).startswith("rank 0 failed: RuntimeError: Connection closed")
     (tmp_path / "rank0.txt").unlink()
     assert "without reporting a cause" in _summary(tmp_path, 1)
+
+
+# ----------------------------------------------------------------------------------------------------- determinism
+
+
+def test_planning_twice_writes_byte_identical_plans(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    import json
+
+    out = []
+    for i in (1, 2):
+        path = tmp_path / f"p{i}.yaml"
+        assert main(["plan", "gpt-tiny", "--cluster", "dgx-h100", "--global-batch", "16", "-q", "--workers", "1",
+                     "-o", str(path)]) == 0
+        out.append(path.read_bytes())
+        side = json.loads(path.with_suffix(".search.json").read_text())
+        assert side["wall_s"] > 0 and side["candidates"] > 0, side
+    capsys.readouterr()
+    assert out[0] == out[1]
+    assert b"wall_s" not in out[0]
