@@ -194,9 +194,9 @@ def diff_plans(a: Plan, b: Plan, *, width: int | None = None) -> str:
         summary = (f"A: {fmt_time(a.time.total)}/iteration of {a.model}, "
                    f"B: {fmt_time(b.time.total)}/iteration of {b.model}")
     else:
-        speed = a.time.total / b.time.total if b.time.total else float("nan")
-        summary = (f"A: {fmt_time(a.time.total)}/iteration, B: {fmt_time(b.time.total)}/iteration "
-                   f"(B is {speed:.3g}x the speed of A)")
+        ratio = (f" (B is {a.time.total / b.time.total:.3g}x the speed of A)" if a.time.total > 0 and b.time.total > 0
+                 else " (no speed ratio: a plan without predicted times)")
+        summary = f"A: {fmt_time(a.time.total)}/iteration, B: {fmt_time(b.time.total)}/iteration{ratio}"
     return warning + render(t, width=width) + summary + "\n"
 
 

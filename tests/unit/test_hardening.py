@@ -346,3 +346,42 @@ def test_planning_twice_writes_byte_identical_plans(capsys: pytest.CaptureFixtur
     capsys.readouterr()
     assert out[0] == out[1]
     assert b"wall_s" not in out[0]
+
+
+# ---------------------------------------------------------------------------------------------- atomic writes
+
+
+def test_plans_and_profiles_are_written_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    from autopar.ir import safe_yaml
+    from autopar.profiles.builtin import load_builtin
+    from autopar.profiles.schema import save_profile
+
+    plan_mod = importlib.import_module("autopar.ir.plan")
+    target = tmp_path / "plan.yaml"
+    dump_plan(_plan("gpt-tiny"), target)
+    before = target.read_bytes()
+
+    def torn(src: str, dst: str) -> None:  # the rename never happens: a crash between write and rename
+        raise OSError(28, "No space left on device", dst)
+
+    monkeypatch.setattr(safe_yaml.os, "replace", torn)
+    with pytest.raises(OSError):
+        plan_mod.dump_plan(_plan("llama-tiny"), target)
+    with pytest.raises(OSError):
+        save_profile(load_builtin("dgx-h100"), tmp_path / "prof.yaml")
+    assert target.read_bytes() == before                       # the reader still sees the whole old plan
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.yaml"]  # and no temporary is left behind
+    monkeypatch.undo()
+    dump_plan(_plan("llama-tiny"), target)
+    assert b"llama-tiny" in target.read_bytes()
+
+
+def test_diff_of_plans_without_times_prints_no_nan(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    dump_plan(_plan("gpt-tiny", tp=1), a)
+    dump_plan(_plan("gpt-tiny", tp=2), b)
+    assert main(["diff", str(a), str(b)]) == 0
+    out = capsys.readouterr().out
+    assert "nan" not in out.lower() and "inf" not in out.lower(), out
