@@ -30,7 +30,7 @@ from autopar.ir.serialize import from_data, to_data
 __all__ = [
     "PLAN_SCHEMA_VERSION", "Schedule", "Recompute", "Placement", "MeshPlan", "ParamSharding", "OpSharding",
     "MemoryBreakdown",
-    "TimeBreakdown", "StagePlan", "SolverReport", "Plan", "dump_plan", "load_plan", "plan_to_yaml",
+    "TimeBreakdown", "StagePlan", "SolverReport", "ProfileSource", "Plan", "dump_plan", "load_plan", "plan_to_yaml",
     "plan_from_yaml",
 ]
 
@@ -181,6 +181,17 @@ class StagePlan:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ProfileSource:
+    """Where a plan's cluster profile came from when it was a file (a measured or fitted profile), so that
+    ``autopar replan`` and ``explain`` find it again: its path and the SHA-256 of its content."""
+
+    path: str
+    """Absolute path of the profile YAML when the plan was made."""
+    sha256: str
+    """SHA-256 (hex) of the file's bytes: a file at ``path`` with other content is another profile."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class SolverReport:
     """How the search went."""
 
@@ -208,6 +219,8 @@ class Plan:
     num_params: int
     cluster: str
     """Name of the cluster profile the plan was costed on."""
+    cluster_source: ProfileSource | None = None
+    """The profile file, when the profile was not a built-in one (omitted from the YAML when None)."""
     nodes: int
     devices_per_node: int
     global_batch: int
@@ -303,6 +316,8 @@ class Plan:
 def plan_to_yaml(plan: Plan) -> str:
     data = to_data(plan)
     data["solver"].pop("wall_s", None)  # machine-dependent: the side report has it (byte-identical plans)
+    if data.get("cluster_source") is None:  # plans on built-in profiles read as before the field existed
+        data.pop("cluster_source", None)
     return yaml.safe_dump(data, sort_keys=False, width=120)
 
 

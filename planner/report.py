@@ -132,13 +132,13 @@ def explain_node(plan: Plan, node: str, *, graph: Graph | None = None) -> str:
 def _alternatives(plan: Plan, graph: Graph, node: str) -> list[str]:
     """Each strategy the solver could have given ``node``, costed on the plan's cluster, tp group and micro-batch."""
     from autopar.planner.intra_op import strategy_costs
-    from autopar.profiles.builtin import resolve_profile
+    from autopar.planner.profile_ref import plan_profile
     from autopar.profiles.cost import CostModel
 
     if not graph.has_node(node):
         return [f"(node {node!r} is not in this model's graph)"]
     try:
-        cost = CostModel(resolve_profile(plan.cluster, plan.nodes))
+        cost = CostModel(plan_profile(plan, nodes=plan.nodes))
     except (ValueError, OSError) as e:
         return [f"(cannot load cluster profile {plan.cluster!r} to cost alternatives: {e})"]
     tp = plan.mesh.tp
@@ -242,9 +242,11 @@ def _sharded(p: Plan) -> str:
 
 
 def _same(a: Plan, b: Plan) -> bool:
+    """The same plan, whatever the search reports about itself or where its profile file is."""
     da, db = to_data(a), to_data(b)
     for d in (da, db):
         d.pop("solver", None)
+        d.pop("cluster_source", None)
     return da == db
 
 

@@ -2,13 +2,13 @@
 writes as a Perfetto / Chrome trace and what the HTML report draws.
 
 The forward and backward ops come from the schedule simulator (:func:`autopar.planner.inter_op.schedule.simulate`) on
-the plan's per-stage times; after each rank's last backward come the parts of the plan's iteration time that are not
-in those stage times, as the planner counts them (:mod:`autopar.planner.inter_op.evaluate`): the exposed
-data-parallel synchronization, the compute lost to overlap contention, the other exposed communication (tensor
-parallel and pipeline transfers), then the optimizer step, which every rank runs after the slowest one. So the
-``comm/optimizer`` track holds the plan's ``exposed_comm``, ``contention`` and ``optimizer`` figures, and the
-timeline ends at the plan's iteration time up to the simulator's bubble (which may differ a little from the plan's,
-since the trace has no per-boundary transfer times).
+the plan's per-stage times; after each rank's last backward come the parts of the plan's iteration time that the
+stage times do not hold, as the planner counts them (:mod:`autopar.planner.inter_op.evaluate`): the exposed
+data-parallel synchronization, the compute lost to overlap contention, the rest of the exposed communication (tensor
+parallel and pipeline transfers not inside the stage times), then the optimizer step, which every rank runs after the
+slowest one. So the ``comm/optimizer`` track holds the plan's ``dp_exposed``, ``contention`` and ``optimizer``
+figures and the timeline ends at the plan's iteration time (or later, by the difference, where the simulated pipeline
+without per-boundary transfer times is longer than the plan's compute and bubble).
 """
 
 from __future__ import annotations
@@ -69,13 +69,15 @@ def plan_timeline(plan: Plan) -> Timeline:
         kind: Kind = "forward" if e.kind == "F" else "backward"
         name = f"{e.kind}{e.microbatch}" + (f".c{e.chunk}" if plan.virtual_stages > 1 else "")
         spans.append(Span(e.rank, kind, e.start, e.end, name, e.stage))
-    other_comm = max(t.exposed_comm - t.dp_exposed, 0.0)
+    # what the plan counts beyond the simulated pipeline, the exposed dp sync, contention and optimizer: the other
+    # exposed communication (tp collectives, pipeline transfers) that the stage times do not already hold
+    other_comm = max(t.total - (res.pipeline_s + t.dp_exposed + t.contention + t.optimizer), 0.0)
     ends = []
     for r in range(plan.mesh.pp):
         at = res.rank_end_s[r]
         for kind, dur, label in (("dp sync", t.dp_exposed, "data-parallel sync (exposed)"),
                                  ("contention", t.contention, "overlap contention"),
-                                 ("comm", other_comm, "tp / pipeline communication (exposed)")):
+                                 ("comm", other_comm, "other exposed communication (tp, pipeline)")):
             if dur > 0:
                 spans.append(Span(r, kind, at, at + dur, label))  # type: ignore[arg-type]
                 at += dur
