@@ -152,6 +152,8 @@ def test_yaml_alias_bombs_are_refused_fast(capsys: pytest.CaptureFixture[str], t
     (["--pin", "tp=8", "--pin", "tp=4"], "pin tp given twice"),
     (["--pin", "pp=8"], "pin pp=8 (x 1 virtual stages) needs more stages than the 4 layer groups of gpt-tiny"),
     (["--pin", "micro_batch=1000"], "pin micro_batch=1000 is larger than the global batch 8"),
+    (["--seq", str(10**11)], "--seq 100000000000 is beyond autopar's limit of 4,194,304"),
+    (["--seq", "0"], "--seq must be >= 1"),
 ])
 def test_plan_bounds_and_clear_messages(capsys: pytest.CaptureFixture[str], args: list[str], expect: str) -> None:
     batch = [] if "--global-batch" in args else ["--global-batch", "8"]
