@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -113,6 +114,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from autopar.ir.plan import dump_plan
     from autopar.planner.api import resolve_cluster
     from autopar.planner.options import PlanOptions, parse_pins
+    from autopar.planner.profile_ref import with_source
     from autopar.planner.report import alternatives_table, render_plan
     from autopar.planner.search import search
 
@@ -123,13 +125,18 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                        fused_kernels=not args.no_fused_kernels, **workers)
     graph = _trace(args.model, args.seq, cache=not args.no_cache)  # after every argument is checked
     result = search(graph, profile, opts, progress=None if args.quiet else _progress_printer())
-    print(render_plan(result.best, graph=graph), end="")
-    alternatives = alternatives_table(result.best, result.alternatives)
+    best = with_source(result.best, args.cluster)
+    print(render_plan(best, graph=graph), end="")
+    alternatives = alternatives_table(best, result.alternatives)
     print("\n" + alternatives if alternatives else "", end="")
     if args.output:
-        dump_plan(result.best, args.output)
+        dump_plan(best, args.output)
         _search_report(args.output, result)
         print(f"wrote {args.output}")
+    if args.html:
+        from autopar.planner.html_report import plan_html, write_html
+
+        print(f"wrote {write_html(args.html, plan_html(best, result.alternatives))}")
     return 0
 
 
@@ -157,6 +164,10 @@ def _cmd_show(args: argparse.Namespace) -> int:
     if args.trace:
         n = schedule_trace(plan, args.trace)
         print(f"wrote {n} trace events to {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)")
+    if args.html:
+        from autopar.planner.html_report import plan_html, write_html
+
+        print(f"wrote {write_html(args.html, plan_html(plan))} (one self-contained page: open it in a browser)")
     if args.kernels:
         from autopar.codegen.triton_gen import render_kernels
 
@@ -180,7 +191,13 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     from autopar.ir.plan import load_plan
     from autopar.planner.report import diff_plans
 
-    print(diff_plans(load_plan(args.a), load_plan(args.b)), end="")
+    a, b = load_plan(args.a), load_plan(args.b)
+    text = diff_plans(a, b)
+    print(text, end="")
+    if args.html:
+        from autopar.planner.html_report import diff_html, write_html
+
+        print(f"wrote {write_html(args.html, diff_html(a, b, text))} (both plans side by side)")
     return 0
 
 
@@ -217,6 +234,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
             start = check_checkpoint_dir(ckpt, args.resume)
             if start is not None and start > args.steps:
                 raise ValueError(f"the checkpoint in {ckpt} is at step {start}, beyond --steps {args.steps}")
+        # `kill` (SIGTERM) stops the run as Ctrl-C does: run_plan then stops torchrun and every worker with it
+        signal.signal(signal.SIGTERM, _exit_on_signal)
         try:
             return int(run_plan(args.plan, args.model, steps=args.steps, nproc=args.nproc,
                                 extra_torchrun_args=args.torchrun_args or [], worker_args=worker,
@@ -226,23 +245,30 @@ def _cmd_run(args: argparse.Namespace) -> int:
             return 124
 
 
+def _exit_on_signal(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def _cmd_replan(args: argparse.Namespace) -> int:
     from autopar.ir.plan import dump_plan, load_plan
-    from autopar.planner.api import resolve_cluster
     from autopar.planner.options import PlanOptions, parse_pins
+    from autopar.planner.profile_ref import plan_profile, with_source
     from autopar.planner.report import diff_plans
     from autopar.planner.search import search
 
     old = load_plan(args.plan)
     # every argument is checked before the model is traced (seconds to minutes for a large model)
-    profile = resolve_cluster(args.cluster or old.cluster, args.nodes)
+    profile = plan_profile(old, plan_path=args.plan, override=args.cluster, nodes=args.nodes or old.nodes)
     pins = parse_pins(args.pin) if args.pin else {}
     opts = PlanOptions(global_batch=args.global_batch or old.global_batch, pins=pins, dtype=old.dtype,  # type: ignore
                        fused_kernels=old.fused_kernels)
     graph = _plan_graph(old, args)
     new = search(graph, profile, opts).best
+    source = args.cluster if args.cluster else old.cluster_source.path if old.cluster_source else None
+    new = with_source(new, source)
     print(diff_plans(old, new), end="")
-    out = args.output or str(Path(args.plan).with_suffix("")) + f".{args.nodes}n.yaml"
+    out = args.output or str(Path(args.plan).with_suffix("")) + (f".{args.nodes}n.yaml" if args.nodes else
+                                                                  ".replanned.yaml")
     dump_plan(new, out)
     print(f"wrote {out}; checkpoints saved under the old plan load into it, resharded "
           f"(autopar run {out} --model {new.model} --resume --checkpoint-dir DIR --steps N)")
@@ -291,12 +317,14 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--no-fused-kernels", action="store_true",
                     help="run eagerly: no generated Triton kernels, fused groups costed unfused")
     pl.add_argument("-o", "--output", help="write the plan YAML here")
+    pl.add_argument("--html", help="also write the plan and its alternatives as one self-contained HTML page")
     pl.set_defaults(func=_cmd_plan)
 
     sh = sub.add_parser("show", help="print a plan as tables")
     sh.add_argument("plan")
     sh.add_argument("--trace", help="also write the simulated schedule as Chrome-trace/Perfetto JSON")
     sh.add_argument("--kernels", action="store_true", help="also print the generated Triton kernels")
+    sh.add_argument("--html", help="also write the plan as one self-contained HTML page (timeline, memory, sharding)")
     _model_args(sh)
     sh.set_defaults(func=_cmd_show)
 
@@ -310,6 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     df = sub.add_parser("diff", help="compare two plans")
     df.add_argument("a")
     df.add_argument("b")
+    df.add_argument("--html", help="also write both plans side by side as one self-contained HTML page")
     df.set_defaults(func=_cmd_diff)
 
     pr = sub.add_parser("profile", help="measure this machine into a cluster profile")
@@ -343,10 +372,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     calibrate_args(sub)
 
-    rp = sub.add_parser("replan", help="re-plan for another cluster size")
+    rp = sub.add_parser("replan", help="re-plan for another cluster size or other pins (same model)")
     rp.add_argument("plan")
-    rp.add_argument("--nodes", type=int, required=True)
-    rp.add_argument("--cluster", default=None)
+    rp.add_argument("--nodes", type=int, default=None, help="number of nodes (default: the plan's)")
+    rp.add_argument("--cluster", default=None,
+                    help="profile to re-plan on (default: the plan's own, found by its recorded path and hash)")
     _model_args(rp)
     rp.add_argument("--global-batch", type=int, default=None)
     rp.add_argument("--pin", action="append", default=[])
