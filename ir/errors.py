@@ -22,8 +22,8 @@ class TraceError(AutoparError):
     def _message(self) -> str:
         parts = "; ".join(f"{p.frontend}{' in ' + p.where if p.where else ''}: {p.reason}" for p in self.parts)
         return (f"could not capture the model ({parts}); hint: data-dependent Python control flow (e.g. "
-                "`if x.sum() > 0`) cannot be traced: rewrite it with torch.where/torch.cond, or mark that module as "
-                "a leaf and pin its placement")
+                "`if x.sum() > 0`) cannot be traced: rewrite it with torch.where/torch.cond, or move it into a "
+                "submodule, which autopar then runs as an opaque region (replicated, cost estimated)")
 
     @classmethod
     def combine(cls, *errors: "TraceError") -> "TraceError":

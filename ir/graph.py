@@ -173,6 +173,8 @@ class Graph:
     """Targets the op registry did not know; they were costed by bytes only."""
     frontend: Literal["fx", "export"] = "fx"
     model_name: str = ""
+    opaque: tuple[tuple[str, str], ...] = ()
+    """(submodule FQN, why) of regions no front end captured, each one ``opaque`` node (:mod:`autopar.ir.opaque`)."""
 
     @cached_property
     def _index(self) -> dict[str, int]:
@@ -342,5 +344,6 @@ class Graph:
             "distinct_blocks": len({b.structural_hash for b in blocks}),
             "op_kinds": dict(sorted(kinds.items())),
             "unknown_ops": list(self.unknown_ops),
+            "opaque_regions": [f"{path} ({why})" for path, why in self.opaque],
             "fingerprint": self.fingerprint,
         }

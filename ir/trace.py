@@ -24,7 +24,7 @@ import contextlib
 import io
 import logging
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Iterator, Literal, Sequence
 
 import torch
@@ -35,6 +35,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from autopar.ir.errors import ExampleInputError, TraceError
 from autopar.ir.graph import Graph, Node, ParamInfo, TensorMeta
 from autopar.ir.inputs import normalize
+from autopar.ir.opaque import OpaquePropagation, opaque_flops, trace_isolating
 from autopar.ir.ops import OpKind, canonical_op, op_cost
 from autopar.ir.passes.pipeline import PassOptions, default_pipeline, run_passes, verify_after
 
@@ -283,9 +284,11 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {msg[0] if msg else ''}"
 
 
-def _trace_fx(model: torch.nn.Module, inputs: list[Any], model_name: str) -> Graph:
+def _trace_fx(model: torch.nn.Module, inputs: list[Any], model_name: str, isolate: bool = False) -> Graph:
+    """The fx front end; ``isolate=True`` makes the submodules that stop the tracer opaque (:mod:`autopar.ir.opaque`)."""
+    leaves: dict[str, str] = {}
     try:
-        gm = fx.symbolic_trace(model)
+        gm, leaves = trace_isolating(model) if isolate else (fx.symbolic_trace(model), {})
     except Exception as e:  # noqa: BLE001 - every front-end failure becomes a TraceError with its reason
         raise TraceError("fx", _first_line(e), _user_frame(e, model)) from e
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -293,11 +296,27 @@ def _trace_fx(model: torch.nn.Module, inputs: list[Any], model_name: str) -> Gra
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     try:
         with torch.no_grad():
-            FakeTensorProp(gm, mode).propagate(*fakes)
+            (OpaquePropagation(gm, mode, leaves) if leaves else FakeTensorProp(gm, mode)).propagate(*fakes)
     except Exception as e:  # noqa: BLE001
         where = _failing_fx_node(gm, placeholders, e)
         raise ExampleInputError("fx", _first_line(e), where, _describe_inputs(inputs)) from e
-    return _build_graph(gm, model, "fx", {}, [p.name for p in placeholders][:len(inputs)], model_name, True)
+    graph = _build_graph(gm, model, "fx", {}, [p.name for p in placeholders][:len(inputs)], model_name, True)
+    return _mark_opaque(graph, gm, model, leaves) if leaves else graph
+
+
+def _mark_opaque(graph: Graph, gm: fx.GraphModule, model: torch.nn.Module, leaves: dict[str, str]) -> Graph:
+    """Leaf calls of opaque submodules become ``opaque`` nodes with estimated FLOPs (not unknown ops)."""
+    at = {n.name: str(n.target) for n in gm.graph.nodes if n.op == "call_module" and str(n.target) in leaves}
+    types = {type(model.get_submodule(p)).__name__ for p in leaves}
+    nodes = []
+    for n in graph.nodes:
+        if n.name in at:
+            sub = model.get_submodule(at[n.name])
+            fwd, bwd = opaque_flops(sum(p.numel() for p in sub.parameters()), n.outputs)
+            n = replace(n, op="opaque", kind=OpKind.UNKNOWN, flops_fwd=fwd, flops_bwd=bwd)
+        nodes.append(n)
+    unknown = tuple(u for u in graph.unknown_ops if u.rsplit(".", 1)[-1] not in types)
+    return replace(graph, nodes=tuple(nodes), unknown_ops=unknown, opaque=tuple(leaves.items()))
 
 
 def _failing_fx_node(gm: fx.GraphModule, placeholders: list[fx.Node], exc: BaseException) -> str:
@@ -416,4 +435,10 @@ def _trace_with(model: torch.nn.Module, inputs: list[Any], kwargs: dict[str, Any
         try:
             return _trace_export(model, inputs, name)
         except TraceError as ex_err:
-            raise TraceError.combine(fx_err, ex_err) from None
+            try:  # the submodules that stop fx become opaque regions, when the failure is inside one
+                graph = _trace_fx(model, inputs, name, isolate=True)
+            except (TraceError, ExampleInputError):
+                raise TraceError.combine(fx_err, ex_err) from None
+            log.warning("captured with %d opaque region(s), run replicated: %s", len(graph.opaque),
+                        "; ".join(f"{p} ({why})" for p, why in graph.opaque))
+            return graph

@@ -104,7 +104,46 @@ class ConvNet(torch.nn.Module):
         return self.head(h.mean((2, 3)))
 
 
+class _Gate(torch.nn.Module):
+    """Data-dependent Python control flow: neither fx nor torch.export captures it."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if h.mean() > 0:
+            return x + 0.5 * h
+        return x + h
+
+
+class _GatedBlock(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(d, d)
+        self.gate = _Gate(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(torch.relu(self.fc(x)))
+
+
+class GatedNet(torch.nn.Module):
+    """A token model whose blocks each hold an uncapturable region (``blocks.N.gate``): it is planned and run with
+    those regions opaque (:mod:`autopar.ir.opaque`)."""
+
+    def __init__(self, d: int = 32, layers: int = 4) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, d)
+        self.blocks = torch.nn.Sequential(*[_GatedBlock(d) for _ in range(layers)])
+        self.head = torch.nn.Linear(d, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.emb(ids)))
+
+
 TINY: dict[str, tuple[Callable[[], torch.nn.Module], Callable[[int], Batch]]] = {
+    "torch-gated": (GatedNet, _token_batch),
     "torch-convnet": (ConvNet, _image_batch(16)),
     "torchtitan-llama3": (lambda: _titan(**_TITAN_TINY), _token_batch),
     "timm-vit": (_timm("vit_base_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4,

@@ -36,6 +36,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from autopar import ir
+from autopar.ir.opaque import symbolic_trace_with
 from autopar.codegen.runtime.init import meta_clone
 
 __all__ = ["Example", "GroupSpec", "SplitModel", "capture", "split_model", "StageModule"]
@@ -147,8 +148,9 @@ def capture(root: nn.Module, graph: ir.Graph, example: Example | None = None,
 
     An exported capture of a meta model creates its tensors (``arange`` positions, masks) on the meta device: those
     device arguments are moved to ``device``, where the program runs."""
-    if graph.frontend != "export":
-        return _bind_omitted(fx.symbolic_trace(root), graph)
+    if graph.frontend != "export":  # with the plan's opaque regions as leaves (autopar.ir.opaque)
+        leaves = [path for path, _ in graph.opaque]
+        return _bind_omitted(symbolic_trace_with(root, leaves) if leaves else fx.symbolic_trace(root), graph)
     if example is None:
         raise ValueError("a model captured with torch.export needs example inputs to be captured again")
     args, kwargs = example

@@ -51,6 +51,18 @@ _UNTRACEABLE = textwrap.dedent('''
             return self.gate(self.inp(x))
 
 
+    class RootBranch(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.inp(x)
+            if y.sum() > 0:          # data-dependent control flow in the model's own forward
+                return y * 2
+            return y
+
+
     class Plain(nn.Module):
         def __init__(self):
             super().__init__()
@@ -62,6 +74,10 @@ _UNTRACEABLE = textwrap.dedent('''
 
     def make(batch=1, device="cpu"):
         return Net(), (torch.randn(batch, 4, device=device),)
+
+
+    def make_root(batch=1, device="cpu"):
+        return RootBranch(), (torch.randn(batch, 4, device=device),)
 
 
     def wrong_inputs(batch=1, device="cpu"):
@@ -128,12 +144,21 @@ def test_malformed_factory_reference(capsys: pytest.CaptureFixture[str]) -> None
 
 def test_untraceable_model_names_the_module_and_suggests_a_rewrite(capsys: pytest.CaptureFixture[str],
                                                                    user_models: str) -> None:
-    msg = _cli_error(capsys, ["trace", f"{user_models}:make"])
+    """Data-dependent control flow in the model's own forward: nothing to isolate, so the capture fails."""
+    msg = _cli_error(capsys, ["trace", f"{user_models}:make_root"])
     assert len(msg.splitlines()) == 1 and msg.startswith("could not capture the model (")
     # Both front ends report the module, its class and the source line that stopped them.
-    assert "fx in module 'gate' (Gate)" in msg and "export in module 'gate' (Gate)" in msg
+    assert "fx in module '<root>' (RootBranch)" in msg and "export in module '<root>' (RootBranch)" in msg
     assert "if y.sum() > 0" in msg
-    assert "torch.where" in msg and "leaf" in msg
+    assert "torch.where" in msg and "opaque region" in msg
+
+
+def test_untraceable_submodule_is_an_opaque_region(capsys: pytest.CaptureFixture[str], user_models: str) -> None:
+    """The same control flow inside a submodule: the rest is captured and the submodule is one opaque node, which
+    ``autopar trace`` names with the reason."""
+    assert main(["trace", f"{user_models}:make"]) == 0
+    out = capsys.readouterr().out
+    assert "opaque regions" in out and "gate (TraceError: symbolically traced variables" in out
 
 
 def test_wrong_example_input_shape_names_the_given_shapes() -> None:
@@ -160,7 +185,7 @@ def test_wrong_example_inputs_through_the_cli(capsys: pytest.CaptureFixture[str]
 
 
 def test_trace_failures_print_nothing_but_the_error(capfd: pytest.CaptureFixture[str], user_models: str) -> None:
-    for ref in (f"{user_models}:wrong_inputs", f"{user_models}:make"):
+    for ref in (f"{user_models}:wrong_inputs", f"{user_models}:make_root"):
         assert main(["trace", ref]) == 2
         err = capfd.readouterr().err
         assert err.lstrip().startswith("autopar: error: "), err[:2000]

@@ -144,14 +144,21 @@ def test_data_dependent_control_flow_names_module() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.gate(self.pre(x))
 
-    with pytest.raises(ir.TraceError) as ei:
-        ir.trace(Net(), (torch.randn(2, 8),))
-    msg = str(ei.value)
-    assert "module 'gate' (Gate)" in msg
-    assert "if x.sum() > 0" in msg
-    assert "fx" in msg and "export" in msg
-    assert "control flow" in msg
-    assert not isinstance(ei.value, ir.ExampleInputError)
+    for frontend in ("fx", "export"):  # each front end alone fails and names the module and the line
+        with pytest.raises(ir.TraceError) as ei:
+            ir.trace(Net(), (torch.randn(2, 8),), frontend=frontend)
+        msg = str(ei.value)
+        assert "module 'gate' (Gate)" in msg and frontend in msg, msg
+        assert "if x.sum() > 0" in msg and "control flow" in msg
+        assert not isinstance(ei.value, ir.ExampleInputError)
+    # "auto" captures the rest and makes the gate an opaque region: one node, replicated, FLOPs estimated from its
+    # parameters (2 per parameter per output row)
+    g = ir.verify(ir.trace(Net(), (torch.randn(2, 8),)))
+    assert [p for p, _ in g.opaque] == ["gate"] and "control flow" in g.opaque[0][1]
+    node = next(n for n in g.nodes if n.op == "opaque")
+    assert node.module_path == "gate" and node.outputs[0].shape == (2, 8)
+    assert node.flops_fwd == 2 * (8 * 8 + 8) * 2 and node.flops_bwd == 2 * node.flops_fwd
+    assert set(node.params) == {"gate.lin.weight", "gate.lin.bias"} and not g.unknown_ops
 
 
 def test_wrong_input_shape_is_reported_as_input_error() -> None:
