@@ -180,7 +180,9 @@ def calibrate(base: ClusterProfile, runs: Sequence[tuple[Plan, Graph, RunMeasure
     """Fit ``base``'s factors to the runs (see the module docstring); ``names`` defaults to :data:`FIT_FACTORS`
     (``overlap`` where the schema has it) plus ``link.alpha``/``link.beta`` when the plans communicate: one latency
     and one bandwidth correction for every collective, so that collectives the fitted plans do not run (a ZeRO
-    plan's gathers, a pipeline's p2p) inherit what the measured ones show about this machine's links."""
+    plan's gathers) inherit what the measured ones show about this machine's links.  A pipeline's p2p keeps the
+    profile's own measurement: a collective's fitted latency also holds the wait for the slowest rank, which a
+    pipeline's schedule costs as its bubble."""
     if not runs:
         raise ValueError("calibrate needs at least one measured run")
     if names is None:

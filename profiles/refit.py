@@ -14,8 +14,8 @@ factor                 what it multiplies (time of ...)
 ``overhead``           the fixed per-op cost of an eager training step (``launch_overhead_s`` multiplied)
 ``dtensor``            an op's eager cost on tensor-parallel (DTensor) operands over a plain op's
                        (``sharded_op_overhead`` multiplied; 1 at the base: no extra dispatch)
-``link.alpha``         the latency term of every collective and p2p, on every level and group size
-``link.beta``          the bandwidth term of every collective and p2p (``busbw`` divided by the factor)
+``link.alpha``         the latency term of every collective, on every level and group size (not p2p)
+``link.beta``          the bandwidth term of every collective (``busbw`` divided by the factor; not p2p)
 ``<coll>.alpha``       the latency term of collective ``<coll>`` alone (on top of ``link.alpha``)
 ``<coll>.beta``        the bandwidth term of ``<coll>`` alone (on top of ``link.beta``)
 ``overlap``            not a factor but a shift: ``overlap_slowdown`` (compute seconds lost per second of
@@ -129,9 +129,11 @@ def apply_factors(profile: ClusterProfile, factors: Mapping[str, float], *, note
         sources[OVERLAP_FIELD] = f"{tag} ({value:.4g})"
     device = dataclasses.replace(dev, sources=sources, **changes) if changes else dev  # type: ignore[arg-type]
     links: dict[str, LinkProfile] = {}
+    # link factors correct the collectives, whose fitted latency holds their algorithm's rounds and the wait for the
+    # slowest rank; a pipeline's p2p keeps what the profile measured for it (p2p.alpha / p2p.beta when fitted)
     la, lb = f.get("link.alpha", 1.0), f.get("link.beta", 1.0)
-    ka = {c: la * f.get(f"{c}.alpha", 1.0) for c in COLLECTIVES}
-    kb = {c: lb * f.get(f"{c}.beta", 1.0) for c in COLLECTIVES}
+    ka = {c: (la if c != "p2p" else 1.0) * f.get(f"{c}.alpha", 1.0) for c in COLLECTIVES}
+    kb = {c: (lb if c != "p2p" else 1.0) * f.get(f"{c}.beta", 1.0) for c in COLLECTIVES}
     for level, link in profile.links.items():
         tables = {c: _scale_table(link.table(c), ka[c], kb[c], f"{tag} (alpha x{ka[c]:.4g}, time/byte x{kb[c]:.4g})")
                   for c in COLLECTIVES}

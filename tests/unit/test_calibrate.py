@@ -72,13 +72,14 @@ def test_apply_factors_scales_each_term() -> None:
     b_old = old.collective_time("all_reduce", 1e7, 2) - a_old
     assert new.collective_time("all_reduce", 1e7, 2) - a_new == pytest.approx(0.5 * b_old)
     assert new.collective_time("all_to_all", 1e7, 2) == old.collective_time("all_to_all", 1e7, 2)
-    # link factors act on every collective and p2p, per-collective ones on top of them
+    # link factors act on every collective, per-collective ones on top of them; p2p only takes its own
     linked = CostModel(apply_factors(base, {"link.alpha": 2.0, "link.beta": 3.0, "p2p.alpha": 1.5}))
     for kind in ("all_to_all", "all_gather", "reduce_scatter"):
         t0, t1 = old.collective_time(kind, 0, 2), linked.collective_time(kind, 0, 2)
         assert t1 == pytest.approx(2 * t0)
         assert linked.collective_time(kind, 1e7, 2) - t1 == pytest.approx(3 * (old.collective_time(kind, 1e7, 2) - t0))
-    assert linked.p2p_time(0) == pytest.approx(3 * old.p2p_time(0))
+    assert linked.p2p_time(0) == pytest.approx(1.5 * old.p2p_time(0))
+    assert linked.p2p_time(1e7) - linked.p2p_time(0) == pytest.approx(old.p2p_time(1e7) - old.p2p_time(0))
     assert apply_factors(base, {}) == base
     with pytest.raises(ValueError, match="unknown factor"):
         apply_factors(base, {"bogus": 2.0})
