@@ -30,8 +30,8 @@ also minimizes the iteration time ``~ sum_k T_k + (m - 1) max_k T_k`` up to tran
 
 **Tie-break (balanced memory).** Among partitions with the optimal bottleneck ``T*`` a second DP minimizes the peak
 stage memory ``max_k M_k`` subject to ``T_k <= T*`` (exact: min-max is decomposable once the time bound is a per-stage
-constraint). Remaining ties go to the earliest cut (smallest ``i`` scanned first, strict improvement only), so the
-result is deterministic.
+constraint). Remaining ties go to the earliest cut (the smallest ``i`` among equal values), so the result is
+deterministic.
 
 **Interleaved (v > 1).** A rank holds ``v`` non-contiguous chunks whose memories add up, which does not decompose
 over prefixes. We constrain every chunk to ``capacity / v`` (sufficient, not necessary: it can reject a split that
@@ -181,26 +181,38 @@ def _dp(c: _Costs, n: int, cap: float, bound: float | None = None) -> tuple[floa
         s = k - 1
         prev, cur, a = best[s], best[k], arg[k]
         f = c.in_flight(s)
+        # The scan runs from the last start down: prefix sums of non-negative numbers make T and M grow as the start
+        # moves down (float rounding is monotone), so once T or M alone exceeds what can still win or fit, every
+        # earlier start does too and the scan stops. Ties keep the earliest start, as an upward scan with strict
+        # improvement does.
+        mono = f >= 0
         # stage s = [i, j); leave at least one group for each later stage
         for j in range(k, n - (K - k) + 1):
             link = c.p2p(c.out_bytes[j - 1], s) if s < K - 1 else 0.0
             ptj, pmj, paj = pt[j], pm[j], pa[j]
             bj, aj = inf, -1
-            for i in range(s, j):
-                b = prev[i]
-                if b == inf:
-                    continue
+            for i in range(j - 1, s - 1, -1):
                 mem = pmj - pm[i] + f * (paj - pa[i])
                 if mem > cap:
+                    if mono:
+                        break
                     continue
                 t = ptj - pt[i] + link
                 if bound is None:
+                    if t > bj:
+                        break
+                    b = prev[i]
+                    if b == inf:
+                        continue
                     val = max(b, t)
-                elif t <= bound:
-                    val = max(b, mem)
                 else:
-                    continue
-                if val < bj:
+                    if t > bound or (mono and mem > bj):
+                        break
+                    b = prev[i]
+                    if b == inf:
+                        continue
+                    val = max(b, mem)
+                if val <= bj:
                     bj, aj = val, i
             cur[j], a[j] = bj, aj
     return best[K][n], arg

@@ -196,3 +196,72 @@ def test_screen_tasks_cover_every_unit_once(tiny: ir.Graph) -> None:
     one = search_mod.search(tiny, prof, PlanOptions(global_batch=32, workers=1, pins={"tp": 2}))
     three = search_mod.search(tiny, prof, PlanOptions(global_batch=32, workers=3, pins={"tp": 2}))
     assert _texts(one) == _texts(three)
+
+
+def _upward_partition(time, mem, act, out_bytes, pp, v, cap, link, flight):
+    """The stage DP scanning every start upwards with strict improvement (the partitioner before its downward scan
+    with early stops): (bottleneck, cuts of the memory tie-break)."""
+    import math
+    from itertools import accumulate
+
+    n, K, inf = len(time), pp * v, math.inf
+    pt, pm, pa = ([0.0, *accumulate(x)] for x in (time, mem, act))
+
+    def dp(bound):
+        best = [[inf] * (n + 1) for _ in range(K + 1)]
+        arg = [[-1] * (n + 1) for _ in range(K + 1)]
+        best[0][0] = 0.0
+        for k in range(1, K + 1):
+            s = k - 1
+            for j in range(k, n - (K - k) + 1):
+                lk = link * out_bytes[j - 1] if s < K - 1 else 0.0
+                for i in range(s, j):
+                    b = best[s][i]
+                    m = pm[j] - pm[i] + flight(s) * (pa[j] - pa[i])
+                    t = pt[j] - pt[i] + lk
+                    if b == inf or m > cap / v or (bound is not None and t > bound):
+                        continue
+                    val = max(b, t) if bound is None else max(b, m)
+                    if val < best[k][j]:
+                        best[k][j], arg[k][j] = val, i
+        return best[K][n], arg
+
+    t_star, _ = dp(None)
+    if t_star == inf:
+        return inf, ()
+    _, arg = dp(t_star * (1 + 1e-9) + 1e-15)
+    cuts, j = [], n
+    for k in range(K, 0, -1):
+        cuts.append((arg[k][j], j))
+        j = arg[k][j]
+    return t_star, tuple(reversed(cuts))
+
+
+def test_stage_partition_equals_the_upward_scan() -> None:
+    import random
+
+    from autopar.planner.inter_op.partition import partition_stages
+
+    rng = random.Random(7)
+    feasible = 0
+    for _ in range(1500):
+        n, pp, v = rng.randint(1, 14), rng.randint(1, 4), rng.randint(1, 2)
+        time = [float(rng.randint(0, 3)) if rng.random() < 0.6 else rng.random() for _ in range(n)]
+        mem, act = [float(rng.randint(0, 4)) for _ in range(n)], [rng.choice([0.0, 0.5, 1.0]) for _ in range(n)]
+        out_bytes = [float(rng.randint(0, 3)) for _ in range(n)]
+        cap, link = rng.choice([6.0, 12.0, 1e9]), rng.choice([0.0, 0.5])
+
+        def flight(k: int, pp: int = pp) -> float:
+            return float(pp - k % pp)
+
+        got = partition_stages(time, mem, act, out_bytes, pp=pp, capacity=cap, virtual_stages=v,
+                               p2p=lambda b, k, link=link: b * link, in_flight=flight)
+        t_star, cuts = _upward_partition(time, mem, act, out_bytes, pp, v, cap, link, flight)
+        if n < pp * v:
+            assert not got.feasible
+            continue
+        assert got.feasible == (cuts != ())
+        if got.feasible:
+            feasible += 1
+            assert got.boundaries == cuts and got.bottleneck_s <= t_star * (1 + 1e-9) + 1e-15
+    assert feasible > 300
