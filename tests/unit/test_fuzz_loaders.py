@@ -28,6 +28,7 @@ from autopar.ir.plan import (
     OpSharding,
     ParamSharding,
     Plan,
+    ProfileSource,
     StagePlan,
     TimeBreakdown,
     plan_from_yaml,
@@ -60,6 +61,7 @@ def _make_plan() -> Plan:
     mem = MemoryBreakdown(params=1e9, grads=1e9, optimizer=6e9, activations=3.5e9, other=1.6e9, capacity=80e9)
     return Plan(
         model="gpt-tiny", graph_fingerprint="abc123", num_params=1234, cluster="dgx-a100-80gb", nodes=2,
+        cluster_source=ProfileSource(path="/profiles/fitted.yaml", sha256="0" * 64),
         devices_per_node=8, global_batch=64, micro_batch=2, num_microbatches=8, mesh=MeshPlan(pp=2, dp=4, tp=2),
         schedule="1f1b", zero=1, dtype="bfloat16",
         stages=(StagePlan(index=0, layer_start=0, layer_end=3, modules=("<prefix>", "blocks.0", "blocks.1"),
