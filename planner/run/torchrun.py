@@ -114,7 +114,8 @@ def run_plan(plan_path: str | Path, model_name: str, steps: int, nproc: int | No
 
     start = time.monotonic()  # --timeout counts from here: the checks below are part of the run
     cmd = torchrun_command(plan_path, model_name, steps, nproc, extra_torchrun_args, worker_args, max_restarts)
-    plan_graph(ir.load_plan(plan_path), model_name)  # another model's plan, or one that does not fit it, stops here
+    with _factory_limit(timeout_s):  # a hanging model factory is stopped within --timeout too
+        plan_graph(ir.load_plan(plan_path), model_name)  # another model's plan, or one that does not fit it, stops
     env = dict(os.environ)
     failures = tempfile.mkdtemp(prefix="autopar-failures-")
     env[FAILURE_DIR_ENV] = failures
@@ -141,6 +142,23 @@ def run_plan(plan_path: str | Path, model_name: str, steps: int, nproc: int | No
         return rc
     finally:
         shutil.rmtree(failures, ignore_errors=True)
+
+
+@contextmanager
+def _factory_limit(timeout_s: float | None) -> Iterator[None]:
+    from autopar.zoo.factory_guard import FACTORY_TIMEOUT_ENV
+
+    before = os.environ.get(FACTORY_TIMEOUT_ENV)
+    if timeout_s is not None:
+        current = float(before) if before and before.replace(".", "", 1).isdigit() else 600.0
+        os.environ[FACTORY_TIMEOUT_ENV] = str(min(current, max(timeout_s, 0.001)))
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(FACTORY_TIMEOUT_ENV, None)
+        else:
+            os.environ[FACTORY_TIMEOUT_ENV] = before
 
 
 class WorkerFailure(AutoparError):

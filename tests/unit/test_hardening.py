@@ -240,6 +240,17 @@ def test_factory_failures_are_one_line_errors(capsys: pytest.CaptureFixture[str]
     assert "did not finish within 1 s" in err and time.monotonic() - t0 < 10, err
 
 
+def test_run_timeout_also_bounds_the_model_factory(capsys: pytest.CaptureFixture[str], factories: str,
+                                                   tmp_path: Path) -> None:
+    import time
+
+    p = tmp_path / "plan.yaml"
+    dump_plan(_plan("gpt-tiny", tp=1), p)
+    t0 = time.monotonic()
+    err = _err(capsys, ["run", str(p), "--model", f"{factories}:hangs", "--timeout", "2"])
+    assert "did not finish within 2 s" in err and time.monotonic() - t0 < 10, err
+
+
 def test_unexpected_errors_say_internal_error(capsys: pytest.CaptureFixture[str], tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib
