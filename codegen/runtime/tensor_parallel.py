@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.utils.checkpoint import checkpoint
 
 from autopar import ir
-from autopar.codegen.runtime.tp_ops import CONV_OPS, ChannelConv, InplaceOnPlain, ModuleConv, inplace_op
+from autopar.codegen.runtime.tp_ops import CONV_OPS, ChannelConv, InplaceOnPlain, ModuleConv, WholeOp, custom_op, inplace_op
 
 __all__ = ["implicit_replication", "dtensor_placement", "param_layout", "plan_param_placement", "Place", "LocalView",
            "HeadSDPA", "expand_op_shardings", "rewrite_group",
@@ -299,6 +299,8 @@ def rewrite_group(gm: fx.GraphModule, graph: ir.Graph, plan: ir.Plan, mesh: Devi
             # fx keeps nn.ConvNd calls as modules: computed from the module's (sharded) parameters, which stay
             # where they are (the wrapper does not own the module, so parameter names do not change)
             n = current[name] = _swap_node(gm, n, ModuleConv(gm.get_submodule(str(n.target))), f"_conv_{name}")
+        elif custom_op(n):
+            n = current[name] = _swap_node(gm, n, WholeOp(n.target), f"_whole_{name}")
         elif inplace_op(n):
             n = current[name] = _swap_node(gm, n, InplaceOnPlain(n.target), f"_inplace_{name}")
         if n.op == "call_module" and isinstance(gm.get_submodule(str(n.target)), nn.Linear):

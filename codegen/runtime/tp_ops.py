@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-__all__ = ["CONV_OPS", "ChannelConv", "InplaceOnPlain", "ModuleConv", "inplace_op"]
+__all__ = ["CONV_OPS", "ChannelConv", "InplaceOnPlain", "ModuleConv", "WholeOp", "custom_op", "inplace_op"]
 
 CONV_OPS = (torch.ops.aten.conv1d.default, torch.ops.aten.conv2d.default, torch.ops.aten.conv3d.default)
 
@@ -108,3 +108,24 @@ class ModuleConv(nn.Module):
         if c.padding_mode != "zeros" or not isinstance(c.weight, DTensor):
             return c(x)
         return self.local(x, c.weight, c.bias, c.stride, c.padding, c.dilation, c.groups)
+
+
+def custom_op(n: fx.Node) -> bool:
+    """A library's own registered op (``transformers::grouped_mm_fallback``...): DTensor has no rule for it."""
+    return n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and \
+        n.target.namespace not in ("aten", "prims", "_c10d_functional", "c10d")
+
+
+class WholeOp(nn.Module):
+    """An op without a DTensor rule, run on whole tensors: DTensor arguments are gathered (differentiably) and the
+    result is a plain tensor, the same on every tp rank, which the program's implicit replication treats as
+    replicated.  The planner gives such ops (unknown to its registry) the replicated strategy only."""
+
+    def __init__(self, op: Any) -> None:
+        super().__init__()
+        self.op = op
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        def whole(a: Any) -> Any:
+            return a.full_tensor() if isinstance(a, DTensor) else a
+        return self.op(*fx.node.map_aggregate(args, whole), **fx.node.map_aggregate(kwargs, whole))
