@@ -4,8 +4,10 @@ A graph is stored under a digest of what determines it: the caller's key (for a 
 length and the zoo's source), the source of :mod:`autopar.ir` (capture and passes), the torch and Python versions
 and the cache format. Any change to those misses the cache and traces afresh, so a stale graph is never returned.
 Entries are pickles in ``$AUTOPAR_CACHE/graphs`` (default ``~/.cache/autopar/graphs``), written atomically; an
-unreadable entry is traced again and overwritten. The cache directory is trusted like any per-user cache: it must
-not be writable by others.
+unreadable entry is traced again and overwritten. The cache directory is trusted like any per-user cache (a pickle
+is code-equivalent), so it is checked: an entry is unpickled only when it and its directories up to the cache root
+belong to this user and are not writable by group/others (else it is ignored and traced again); entries are written
+0600 in 0700 directories.
 """
 
 from __future__ import annotations
@@ -57,12 +59,27 @@ def _path(key: Mapping[str, object], root: Path) -> Path:
     return root / "graphs" / f"{digest[:32]}.pkl"
 
 
+def _private(path: Path, root: Path) -> bool:
+    """``path`` and its directories up to ``root`` are this user's and not writable by group/others (POSIX)."""
+    if os.name != "posix":
+        return True
+    try:
+        chain = [path, *[p for p in path.parents if p == root or root in p.parents]]
+        return all(st.st_uid == os.getuid() and not st.st_mode & 0o022 for st in (p.stat() for p in chain))
+    except OSError:
+        return False
+
+
 def cached_graph(key: Mapping[str, object], make: Callable[[], Graph], root: Path | None = None) -> Graph:
     """The graph stored under ``key`` (see the module docstring), else ``make()``, stored for next time.
 
     ``key`` must name everything ``make`` depends on besides autopar.ir and torch (model, its sizes, its source)."""
-    path = _path(key, root if root is not None else cache_root())
-    if path.is_file():
+    base = root if root is not None else cache_root()
+    path = _path(key, base)
+    if path.is_file() and not _private(path, base):
+        log.warning("ignoring traced-graph cache entry %s: it or its directory belongs to another user or is writable "
+                    "by others (a pickle runs code when loaded); tracing instead", path)
+    elif path.is_file():
         try:
             graph = pickle.loads(path.read_bytes())
             if isinstance(graph, Graph):
@@ -73,8 +90,10 @@ def cached_graph(key: Mapping[str, object], make: Callable[[], Graph], root: Pat
     graph = make()
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_bytes(pickle.dumps(graph, protocol=pickle.HIGHEST_PROTOCOL))
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(pickle.dumps(graph, protocol=pickle.HIGHEST_PROTOCOL))
         os.replace(tmp, path)
     except OSError as e:  # a read-only or full disk only costs the next run a trace
         log.warning("could not cache the traced graph in %s: %s", path.parent, e)

@@ -398,3 +398,28 @@ def test_diff_of_plans_without_times_prints_no_nan(capsys: pytest.CaptureFixture
     assert main(["diff", str(a), str(b)]) == 0
     out = capsys.readouterr().out
     assert "nan" not in out.lower() and "inf" not in out.lower(), out
+
+
+def test_graph_cache_entries_of_others_are_not_unpickled(tmp_path: Path) -> None:
+    import pickle
+
+    from autopar.ir.trace_cache import _path, cached_graph
+
+    graph = ir.trace(*_gpt_tiny())
+    key = {"zoo": "gpt-tiny", "test": True}
+    assert cached_graph(key, lambda: graph, root=tmp_path) is graph        # traced and stored
+    entry = _path(key, tmp_path)
+    assert oct(entry.stat().st_mode & 0o777) == oct(0o600)
+    assert oct(entry.parent.stat().st_mode & 0o777) == oct(0o700)
+    assert cached_graph(key, lambda: pytest.fail("should come from the cache"), root=tmp_path).fingerprint \
+        == graph.fingerprint
+    ran = tmp_path / "ran"
+
+    class Planted:
+        def __reduce__(self) -> tuple:
+            return os.system, (f"touch {ran}",)
+
+    entry.write_bytes(pickle.dumps(Planted()))
+    os.chmod(entry.parent, 0o777)                    # anyone could have planted it: not read
+    assert cached_graph(key, lambda: graph, root=tmp_path) is graph
+    assert not ran.exists()
