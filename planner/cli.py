@@ -82,6 +82,8 @@ def _cmd_trace(args: argparse.Namespace) -> int:
             ("layer groups", f"{s['layer_groups']} ({s['repeated_blocks']} blocks, {s['distinct_blocks']} distinct)"),
             ("op kinds", ", ".join(f"{k}={v}" for k, v in s["op_kinds"].items())),
             ("unknown ops", ", ".join(s["unknown_ops"]) or "none"),
+            ("opaque regions", "; ".join(s["opaque_regions"]) + " (not captured: run replicated, cost estimated)"
+             if s["opaque_regions"] else "none"),
             ("fingerprint", s["fingerprint"])]
     print(render(table(f"{args.model}: traced with {s['frontend']} (batch 1)", ["", ""], rows, header=False)), end="")
     return 0
@@ -214,6 +216,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from autopar.planner.run.torchrun import check_checkpoint_dir, checkpoint_lock, run_plan
 
     worker: list[str] = ["--data", args.data]
+    if args.init:
+        if args.init not in ("seed", "copy", "model") and not Path(args.init).exists():
+            raise ValueError(f"--init {args.init!r} is not seed, copy, model or an existing checkpoint path")
+        worker += ["--init", str(Path(args.init).resolve()) if Path(args.init).exists() else args.init]
     if args.step_hook:
         worker += ["--step-hook", args.step_hook]
     if args.report:
@@ -362,6 +368,11 @@ def build_parser() -> argparse.ArgumentParser:
     rn.add_argument("--data", choices=["example", "step"], default="example",
                     help="example: the model's example batch every step; step: a fresh batch seeded by the step")
     rn.add_argument("--report", default=None, help="write a JSON report (losses, times, parameter SHA-256) here")
+    rn.add_argument("--init", default=None, metavar="SOURCE",
+                    help="where the weights come from: seed (zoo models' default: the zoo's initializer), copy (the "
+                         "factory's own weights; default for package.module:factory models), model (the model's own "
+                         "initialization, run shard by shard on a meta model), or a checkpoint path (.safetensors, a "
+                         "Hugging Face model directory, a torch.save file)")
     rn.add_argument("--timeout", type=float, default=None, help="stop torchrun and its workers after this many s")
     rn.add_argument("--step-hook", default=None,
                     help="package.module:function the workers call as function(step) after every step")
