@@ -5,6 +5,10 @@ source is written to ``<cache>/<name>_<sha256[:16]>.py`` (atomically, so concurr
 imported from there.  Loaded modules are memoized per process by (directory, hash).  The cache directory is, in
 order: the ``cache_dir`` argument, the ``AUTOPAR_KERNEL_CACHE`` environment variable, ``$AUTOPAR_CACHE/kernels`` (the
 folder of autopar's other caches), ``~/.cache/autopar/kernels``.
+
+The files are code, so the folder must be this user's and not writable by group/others (checked; new folders are
+0700), and a module is executed from the source autopar generated in memory, never from bytes read back from the
+folder (no stale or planted ``__pycache__``); the file only serves ``inspect`` (Triton reads the source from it).
 """
 
 from __future__ import annotations
@@ -33,10 +37,15 @@ def cache_dir(override: str | os.PathLike[str] | None = None) -> Path:
     root = os.environ.get("AUTOPAR_CACHE") or Path.home() / ".cache" / "autopar"
     path = Path(override or os.environ.get(ENV_CACHE) or Path(root) / "kernels")
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        st = path.stat()
     except OSError as e:
         raise OSError(f"cannot create the kernel cache directory {path} ({e}); set {ENV_CACHE} to a writable "
                       "folder") from e
+    if os.name == "posix" and (st.st_uid != os.getuid() or st.st_mode & 0o022):
+        raise PermissionError(f"the kernel cache directory {path} belongs to another user or is writable by "
+                              f"group/others (its files are imported as code); `chmod go-w {path}` or set "
+                              f"{ENV_CACHE} to a private folder")
     return path
 
 
@@ -60,9 +69,9 @@ def load_source(source: str, name: str, cache: str | os.PathLike[str] | None = N
         log.debug("wrote kernel %s to %s", name, path)
     mod_name = f"autopar_kernel_{name}_{digest}"
     spec = importlib.util.spec_from_file_location(mod_name, path)
-    assert spec is not None and spec.loader is not None
+    assert spec is not None
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    exec(compile(source, str(path), "exec"), module.__dict__)  # noqa: S102 - the source autopar just generated
     _LOADED[key] = module
     return module
 

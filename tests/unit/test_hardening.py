@@ -423,3 +423,33 @@ def test_graph_cache_entries_of_others_are_not_unpickled(tmp_path: Path) -> None
     os.chmod(entry.parent, 0o777)                    # anyone could have planted it: not read
     assert cached_graph(key, lambda: graph, root=tmp_path) is graph
     assert not ran.exists()
+
+
+def test_kernel_cache_must_be_private_and_runs_the_generated_source(tmp_path: Path) -> None:
+    from autopar.codegen.kernels.cache import cache_dir, load_source
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    with pytest.raises(PermissionError, match="writable by group/others"):
+        cache_dir(shared)
+    private = tmp_path / "private"
+    src = "VALUE = 41\n"
+    mod = load_source(src, "k", private)
+    assert mod.VALUE == 41 and oct(private.stat().st_mode & 0o777) == oct(0o700)
+    import importlib.util
+    import sys
+    from importlib import _bootstrap_external  # type: ignore[attr-defined]
+
+    from autopar.codegen.kernels import cache as kcache
+
+    [f] = private.glob("k_*.py")
+    st = f.stat()  # byte code valid for that file's mtime and size, but compiled from other source
+    evil = _bootstrap_external._code_to_timestamp_pyc(compile("VALUE = 666\n", str(f), "exec"), st.st_mtime,
+                                                     st.st_size)
+    pyc = Path(importlib.util.cache_from_source(str(f)))
+    pyc.parent.mkdir(exist_ok=True)
+    pyc.write_bytes(bytes(evil))
+    assert sys.implementation.cache_tag in pyc.name
+    kcache._LOADED.clear()
+    assert load_source(src, "k", private).VALUE == 41  # the generated source runs, not the planted byte code
