@@ -84,11 +84,12 @@ def checkpoint_lock(directory: str | Path | None) -> Iterator[None]:
     if directory is None:
         yield
         return
-    from autopar.codegen.checkpoint_guard import LOCK_ENV, CheckpointLock
+    from autopar.codegen.checkpoint_guard import LOCK_ENV, CheckpointLock, check_private
 
     key = str(Path(directory).resolve())
     before = os.environ.get(LOCK_ENV)
     with CheckpointLock(key):
+        check_private(Path(key))  # another user's or a shared directory fails here, not in the workers
         os.environ[LOCK_ENV] = key
         try:
             yield

@@ -453,3 +453,20 @@ def test_kernel_cache_must_be_private_and_runs_the_generated_source(tmp_path: Pa
     assert sys.implementation.cache_tag in pyc.name
     kcache._LOADED.clear()
     assert load_source(src, "k", private).VALUE == 41  # the generated source runs, not the planted byte code
+
+
+def test_run_refuses_a_shared_checkpoint_directory_before_launch(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+
+    def no_launch(*a: object, **k: object) -> None:
+        raise AssertionError("a process was started")
+
+    monkeypatch.setattr(subprocess, "Popen", no_launch)
+    p = tmp_path / "plan.yaml"
+    dump_plan(_plan("gpt-tiny", tp=1), p)
+    shared = tmp_path / "ck"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    err = _err(capsys, ["run", str(p), "--model", "gpt-tiny", "--checkpoint-dir", str(shared)])
+    assert "writable by group/others" in err and "chmod go-w" in err, err
