@@ -423,15 +423,17 @@ def _os_error(e: OSError) -> str:
     return f"{e.strerror or type(e).__name__}:{where}; {fix}"
 
 
-def _check_output(path: str, flag: str) -> None:
+def _check_output(path: str, flag: str, *, makes_dirs: bool = False) -> None:
     """Refuse an output path that cannot be written, before the work that would fill it (a run's report is
-    written after the last training step)."""
+    written after the last training step).  ``makes_dirs``: the command creates missing directories itself."""
     import os
 
     p = Path(path)
     parent = p.resolve().parent
     if p.is_dir():
         raise ValueError(f"{flag} {_clip(path)} is a directory; give a file path (e.g. {_clip(path)}/out)")
+    while makes_dirs and not parent.exists() and parent != parent.parent:
+        parent = parent.parent  # the nearest existing folder is where the directories get created
     if not parent.is_dir():
         raise ValueError(f"{flag} {_clip(path)}: directory {_clip(parent)} does not exist; create it first")
     if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
@@ -454,7 +456,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for flag in ("output", "report", "trace", "html"):  # before the work whose result they would hold
             if isinstance(getattr(args, flag, None), str):
-                _check_output(getattr(args, flag), f"--{flag}")
+                _check_output(getattr(args, flag), f"--{flag}", makes_dirs=args.command in ("profile", "calibrate"))
         return int(args.func(args))
     except (AutoparError, ValueError, FileNotFoundError) as e:
         if args.debug:

@@ -470,3 +470,13 @@ def test_run_refuses_a_shared_checkpoint_directory_before_launch(capsys: pytest.
     os.chmod(shared, 0o777)
     err = _err(capsys, ["run", str(p), "--model", "gpt-tiny", "--checkpoint-dir", str(shared)])
     assert "writable by group/others" in err and "chmod go-w" in err, err
+
+
+def test_commands_that_make_directories_may_write_into_new_ones(tmp_path: Path) -> None:
+    from autopar.planner.cli import _check_output
+
+    _check_output(str(tmp_path / "new" / "deeper" / "prof.yaml"), "--output", makes_dirs=True)
+    with pytest.raises(ValueError, match="does not exist"):
+        _check_output(str(tmp_path / "new" / "plan.yaml"), "--output")
+    with pytest.raises(ValueError, match="is a directory"):
+        _check_output(str(tmp_path), "--output", makes_dirs=True)
