@@ -112,7 +112,7 @@ def main() -> int:
     ap.add_argument("--profile4", default=None)
     ap.add_argument("--out", default=None, help="keep plans, profiles and the results JSON here")
     args = ap.parse_args()
-    wall0, cpu0 = time.perf_counter(), cpu_s()
+    wall0, cpu0, load0 = time.perf_counter(), cpu_s(), os.getloadavg()
     out = Path(args.out or tempfile.mkdtemp(prefix="autopar-calibrate-bench-"))
     out.mkdir(parents=True, exist_ok=True)
     base = {2: base_profile(args.profile2, 2, out), 4: base_profile(args.profile4, 4, out)}
@@ -172,9 +172,13 @@ def main() -> int:
                         "measured_s": m.step_s, "ratio": ratio, "measured_ranks": m.ranks}
     wall, cpu = time.perf_counter() - wall0, cpu_s() - cpu0
     print(f"held-out within 20%: {within} of {len(held)}")
-    print(f"benchmark: {wall:.1f} s wall, {cpu:.1f} s CPU (this process and its children)")
+    load = os.getloadavg()
+    print(f"benchmark: {wall:.1f} s wall, {cpu:.1f} s CPU (this process and its children); load average "
+          f"{load0[0]:.1f} at the start, {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min) at the end on "
+          f"{os.cpu_count()} cores")
     (out / "results.json").write_text(json.dumps({"factors": total, "held_out": results, "wall_s": wall,
-                                                   "cpu_s": cpu}, indent=1))
+                                                   "cpu_s": cpu, "loadavg_start": load0, "loadavg_end": load},
+                                                  indent=1))
     return 0
 
 
