@@ -49,8 +49,14 @@ from typing import Any, Literal
 from autopar.ir.placement import Schedule
 
 __all__ = [
-    "OpEvent", "ScheduleResult", "rank_order", "simulate", "peak_in_flight", "peak_in_flight_count", "chrome_trace",
     "SCHEDULES",
+    "OpEvent",
+    "ScheduleResult",
+    "chrome_trace",
+    "peak_in_flight",
+    "peak_in_flight_count",
+    "rank_order",
+    "simulate",
 ]
 
 log = logging.getLogger(__name__)
@@ -183,11 +189,20 @@ def _run(orders: list[list[Op]], fwd: list[float], bwd: list[float], p2p: list[f
     whichever rank is advanced first, so the times do not depend on the sweep). A done op's end time sits in a flat
     list indexed by ``micro-batch * K + virtual stage`` (-1: not done yet)."""
     n = len(fwd)
-    last = n - 1
     m = 1 + max((mb for o in orders for _, mb, _ in o), default=0)
     f_end, b_end = [-1.0] * (m * n), [-1.0] * (m * n)
-    progs = [[(kind == "F", mb * n + c * pp + r, c * pp + r) for kind, mb, c in order]
-             for r, order in enumerate(orders)]
+    # per op: (forward?, its slot, its duration, the slot it waits for (-1: none), that transfer's time)
+    progs = []
+    for r, order in enumerate(orders):
+        prog = []
+        for kind, mb, c in order:
+            k = c * pp + r
+            i = mb * n + k
+            if kind == "F":
+                prog.append((True, i, fwd[k], i - 1 if k else -1, p2p[k - 1] if k else 0.0))
+            else:
+                prog.append((False, i, bwd[k], i + 1 if k < n - 1 else -1, p2p[k] if k < n - 1 else 0.0))
+        progs.append(prog)
     starts: list[list[float]] = [[] for _ in range(pp)]
     ends: list[list[float]] = [[] for _ in range(pp)]
     free = [0.0] * pp
@@ -199,29 +214,32 @@ def _run(orders: list[list[Op]], fwd: list[float], bwd: list[float], p2p: list[f
             prog, p, t = progs[r], pos[r], free[r]
             st, en = starts[r], ends[r]
             while p < len(prog):
-                is_f, i, k = prog[p]
+                is_f, i, dur, dep, lat = prog[p]
+                start = t
                 if is_f:
-                    start = t
-                    if k:
-                        d = f_end[i - 1]
+                    if dep >= 0:
+                        d = f_end[dep]
                         if d < 0.0:
                             break
-                        d += p2p[k - 1]
-                        start = max(start, d)
-                    t = start + fwd[k]
+                        d += lat
+                        if d > start:  # noqa: PLR1730 - max() costs a call per op in the hottest loop
+                            start = d
+                    t = start + dur
                     f_end[i] = t
                 else:
                     d = f_end[i]
                     if d < 0.0:
                         break
-                    start = max(t, d)
-                    if k != last:
-                        d = b_end[i + 1]
+                    if d > start:  # noqa: PLR1730
+                        start = d
+                    if dep >= 0:
+                        d = b_end[dep]
                         if d < 0.0:
                             break
-                        d += p2p[k]
-                        start = max(start, d)
-                    t = start + bwd[k]
+                        d += lat
+                        if d > start:  # noqa: PLR1730
+                            start = d
+                    t = start + dur
                     b_end[i] = t
                 st.append(start)
                 en.append(t)
