@@ -67,6 +67,8 @@ def _summary(plan: Plan, pre: str) -> str:
                                f"{fmt_time(t.optimizer)}")),
             ("throughput", (f"{fmt_sig(plan.samples_per_s, 4)} samples/s, {fmt_sig(plan.tflops_per_device)} TFLOP/s "
                            f"per device, MFU {fmt_sig(plan.mfu * 100)}%"))]
+    if plan.cluster_source is not None:
+        rows.append(("profile file", f"{plan.cluster_source.path} (sha256 {plan.cluster_source.sha256[:12]})"))
     rows += [("note", n) for n in plan.notes]
     body = "".join(f"<tr><th>{escape(k)}</th><td>{escape(v)}</td></tr>" for k, v in rows)
     return f"<section id='{pre}summary'><h2>Summary</h2><table>{body}</table></section>"

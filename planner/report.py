@@ -67,6 +67,8 @@ def render_plan(plan: Plan, *, graph: Graph | None = None, width: int | None = N
                            f"per device, MFU {fmt_sig(plan.mfu * 100)}%"))]
     s = plan.solver
     head.append(("search", f"{s.candidates} candidates in {s.wall_s:.2f} s; intra-op {s.status}, gap {s.gap:.2%}"))
+    if plan.cluster_source is not None:
+        head.append(("profile file", f"{plan.cluster_source.path} (sha256 {plan.cluster_source.sha256[:12]})"))
     if plan.pins:
         head.append(("pins", ", ".join(plan.pins)))
     head.extend(("note", n) for n in plan.notes)

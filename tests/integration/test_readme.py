@@ -34,6 +34,7 @@ def test_readme_using_it_runs_as_written(tmp_path: Path) -> None:
         assert step in script, f"the README's sequence lost its {step!r} step"
     env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="120",
                PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))
+    env.pop("TRITON_INTERPRET", None)  # as a user runs it: the tests' interpreted Triton would take minutes a step
     res = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, env=env, capture_output=True,
                          text=True, timeout=900, check=False)
     log = res.stdout + res.stderr
@@ -45,7 +46,7 @@ def test_readme_using_it_runs_as_written(tmp_path: Path) -> None:
     assert (tmp_path / "tiny.html").read_text().count("<section") == 5
     assert load_plan(tmp_path / "mine.yaml").model == "mymodel:build"
     ckpt = tmp_path / "ckpt"
-    assert (ckpt / "latest").read_text().strip() == "step_00000220"
+    assert (ckpt / "latest").read_text().strip() == "step_00000050"
     assert re.search(r"resumed from step \d+ .*now \[1, 1, 2\]", log), log[-3000:]
     # one line per save, from rank 0 only
-    assert log.count("saved checkpoint step 220 ") == 1, log[-3000:]
+    assert log.count("saved checkpoint step 50 ") == 1, log[-3000:]
