@@ -178,3 +178,13 @@ def test_plans_find_their_profile_file_again(tmp_path: Path) -> None:
         plan_profile(plan, plan_path=moved / "plan.yaml")
     assert plan_profile(plan, override="dgx-h100").name == "dgx-h100"  # --cluster overrides
     assert plan_profile(load_plan(PLANS / "gpt2-small_dgx-h100_4n_gb64.yaml")).name == "dgx-h100"
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_diff_snapshot(width: int) -> None:
+    a = load_plan(PLANS / "gpt2-small_dgx-a100-80gb_1n_gb64.yaml")
+    b = load_plan(PLANS / "gpt2-small_dgx-h100_4n_gb64.yaml")
+    text = diff_plans(a, b, width=width)
+    check_golden(GOLDEN_DIR / "cli" / f"diff_gpt2-small_{width}.txt", text)
+    assert max(len(line) for line in text.splitlines()) <= width
+    assert "…" not in text and "x the speed of A" in text
