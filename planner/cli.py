@@ -235,7 +235,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         raise ValueError("--resume and --save-every need --checkpoint-dir")
     elif args.max_restarts:
         log.warning("--max-restarts without --checkpoint-dir: a restarted group trains again from step 0")
-    with checkpoint_lock(ckpt if args.checkpoint_dir else None):  # a second run on the directory fails here, at once
+    with checkpoint_lock(ckpt if args.checkpoint_dir else None, args.torchrun_args or ()):  # a second run on the directory fails here, at once
         if args.checkpoint_dir:
             start = check_checkpoint_dir(ckpt, args.resume)
             if start is not None and start > args.steps:

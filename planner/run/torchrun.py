@@ -78,10 +78,11 @@ def check_checkpoint_dir(directory: str | Path, resume: bool) -> int | None:
 
 
 @contextmanager
-def checkpoint_lock(directory: str | Path | None) -> Iterator[None]:
+def checkpoint_lock(directory: str | Path | None, torchrun_args: Sequence[str] = ()) -> Iterator[None]:
     """Hold the exclusive lock of checkpoint ``directory`` (None: nothing) for a launch: a second run on it fails at
-    once (CheckpointLockedError).  The workers see ``$AUTOPAR_CHECKPOINT_LOCK`` and rely on this process's lock."""
-    if directory is None:
+    once (CheckpointLockedError).  The workers see ``$AUTOPAR_CHECKPOINT_LOCK`` and rely on this process's lock.
+    In a multi-node launch only node 0's launcher locks (the directory is shared by every node's)."""
+    if directory is None or _node_rank(torchrun_args) != 0:
         yield
         return
     from autopar.codegen.checkpoint_guard import LOCK_ENV, CheckpointLock, check_private
@@ -98,6 +99,20 @@ def checkpoint_lock(directory: str | Path | None) -> Iterator[None]:
                 os.environ.pop(LOCK_ENV, None)
             else:
                 os.environ[LOCK_ENV] = before
+
+
+def _node_rank(torchrun_args: Sequence[str]) -> int:
+    """This launcher's node rank: torchrun's ``--node-rank``/``--node_rank`` (or ``$NODE_RANK``), default 0."""
+    args = list(torchrun_args)
+    for i, a in enumerate(args):
+        for flag in ("--node-rank", "--node_rank"):
+            if a == flag and i + 1 < len(args):
+                return int(args[i + 1]) if args[i + 1].isdigit() else 0
+            if a.startswith(flag + "="):
+                v = a.split("=", 1)[1]
+                return int(v) if v.isdigit() else 0
+    v = os.environ.get("NODE_RANK", "0")
+    return int(v) if v.isdigit() else 0
 
 
 def run_plan(plan_path: str | Path, model_name: str, steps: int, nproc: int | None = None,

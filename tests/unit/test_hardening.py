@@ -480,3 +480,28 @@ def test_commands_that_make_directories_may_write_into_new_ones(tmp_path: Path) 
         _check_output(str(tmp_path / "new" / "plan.yaml"), "--output")
     with pytest.raises(ValueError, match="is a directory"):
         _check_output(str(tmp_path), "--output", makes_dirs=True)
+
+
+def test_only_node_zero_locks_a_shared_checkpoint_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+    import sys
+
+    from autopar.codegen.checkpoint_guard import CheckpointLockedError
+    from autopar.planner.run.torchrun import _node_rank, checkpoint_lock
+
+    monkeypatch.delenv("NODE_RANK", raising=False)
+    assert _node_rank(["--nnodes", "2", "--node-rank", "1"]) == 1
+    assert _node_rank(["--node_rank=3"]) == 3 and _node_rank([]) == 0
+    hold = ("import sys, time\nfrom autopar.codegen.checkpoint_guard import CheckpointLock\n"
+            "CheckpointLock(sys.argv[1]).acquire()\nprint('held', flush=True)\ntime.sleep(60)\n")
+    node0 = subprocess.Popen([sys.executable, "-c", hold, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert node0.stdout is not None and node0.stdout.readline().strip() == "held"
+        with checkpoint_lock(tmp_path, ["--nnodes", "2", "--node-rank", "1"]):  # node 1 shares node 0's run
+            pass
+        second = checkpoint_lock(tmp_path, ["--nnodes", "2", "--node-rank", "0"])  # a second node 0: another run
+        with pytest.raises(CheckpointLockedError), second:
+            pass
+    finally:
+        node0.kill()
+        node0.wait()
