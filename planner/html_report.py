@@ -20,8 +20,8 @@ from html import escape
 from pathlib import Path
 
 from autopar.ir.plan import Plan
-from autopar.planner.report import distinct_alternatives, models_differ, module_ranges
-from autopar.planner.tables import fmt_bytes, fmt_sig, fmt_time
+from autopar.planner.report import distinct_alternatives, models_differ
+from autopar.planner.tables import fmt_bytes, fmt_sig, fmt_time, module_ranges
 from autopar.planner.timeline import Timeline, plan_timeline
 
 __all__ = ["diff_html", "plan_html", "write_html"]

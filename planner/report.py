@@ -12,7 +12,7 @@ from typing import Any
 from autopar.ir.graph import Graph
 from autopar.ir.plan import Plan
 from autopar.ir.serialize import to_data
-from autopar.planner.tables import fmt_bytes, fmt_sig, fmt_time, render, table
+from autopar.planner.tables import fmt_bytes, fmt_sig, fmt_time, module_ranges, render, table
 
 __all__ = ["alternatives_table", "decisions", "diff_plans", "distinct_alternatives", "explain_node", "fmt_bytes",
            "fmt_time", "models_differ", "module_ranges", "render_plan", "render_tables", "schedule_trace"]
@@ -21,36 +21,6 @@ __all__ = ["alternatives_table", "decisions", "diff_plans", "distinct_alternativ
 def render_tables(*tables: Any, width: int | None = None) -> str:
     """Plain text of ``tables`` at ``width`` columns (default: the terminal's)."""
     return render(*tables, width=width)
-
-
-def module_ranges(modules: tuple[str, ...]) -> str:
-    """'<prefix>, blocks.0-11' style summary of a stage's modules."""
-    return _ranges(modules)
-
-
-def _ranges(modules: tuple[str, ...]) -> str:
-    """'<prefix>, blocks.0-11' style summary of a stage's modules."""
-    out: list[str] = []
-    run: list[str] = []
-    for m in modules:
-        head, _, idx = m.rpartition(".")
-        if idx.isdigit() and run and run[-1].rpartition(".")[0] == head:
-            run.append(m)
-            continue
-        if run:
-            out.append(_fmt_run(run))
-        run = [m] if idx.isdigit() else []
-        if not idx.isdigit():
-            out.append(m)
-    if run:
-        out.append(_fmt_run(run))
-    return ", ".join(out)
-
-
-def _fmt_run(run: list[str]) -> str:
-    head = run[0].rpartition(".")[0]
-    a, b = run[0].rpartition(".")[2], run[-1].rpartition(".")[2]
-    return run[0] if a == b else f"{head}.{a}-{b}"
 
 
 def render_plan(plan: Plan, *, graph: Graph | None = None, width: int | None = None) -> str:
@@ -86,7 +56,7 @@ def render_plan(plan: Plan, *, graph: Graph | None = None, width: int | None = N
         mem = sp.memory
         share = f" ({mem.total / mem.capacity:.0%})" if mem.capacity else ""
         rows.append([str(sp.index) if many else "", str(sp.index % m.pp) if plan.virtual_stages > 1 else "",
-                     _ranges(sp.modules), sp.recompute, fmt_time(sp.fwd_s), fmt_time(sp.bwd_s),
+                     module_ranges(sp.modules), sp.recompute, fmt_time(sp.fwd_s), fmt_time(sp.bwd_s),
                      fmt_bytes(mem.params + mem.grads + mem.optimizer), fmt_bytes(mem.activations),
                      fmt_bytes(mem.other) if mem.other else "", fmt_bytes(mem.total) + share])
     cols = ["stage", ("pp rank", "right"), "layers", "recompute", ("fwd/mb", "right"), ("bwd/mb", "right"),

@@ -25,7 +25,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-__all__ = ["PIPE_WIDTH", "TextTable", "fmt_bytes", "fmt_sig", "fmt_time", "render", "table", "terminal_width"]
+__all__ = ["PIPE_WIDTH", "TextTable", "fmt_bytes", "fmt_sig", "fmt_time", "module_ranges", "render", "table",
+           "terminal_width"]
 
 PIPE_WIDTH = 120
 """Width used when stdout is not a terminal and ``COLUMNS`` is unset."""
@@ -75,6 +76,31 @@ class TextTable:
     columns: tuple[tuple[str, Justify], ...]
     rows: tuple[tuple[str, ...], ...]
     header: bool = True
+
+
+def module_ranges(modules: tuple[str, ...]) -> str:
+    """'<prefix>, blocks.0-11' style summary of a stage's modules."""
+    out: list[str] = []
+    run: list[str] = []
+    for m in modules:
+        head, _, idx = m.rpartition(".")
+        if idx.isdigit() and run and run[-1].rpartition(".")[0] == head:
+            run.append(m)
+            continue
+        if run:
+            out.append(_fmt_run(run))
+        run = [m] if idx.isdigit() else []
+        if not idx.isdigit():
+            out.append(m)
+    if run:
+        out.append(_fmt_run(run))
+    return ", ".join(out)
+
+
+def _fmt_run(run: list[str]) -> str:
+    head = run[0].rpartition(".")[0]
+    a, b = run[0].rpartition(".")[2], run[-1].rpartition(".")[2]
+    return run[0] if a == b else f"{head}.{a}-{b}"
 
 
 def table(title: str | None, columns: Sequence[str | tuple[str, Justify]], rows: Sequence[Sequence[str]], *,

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from autopar.ir.plan import Plan
+from autopar.planner.tables import module_ranges
 
 __all__ = ["Span", "Timeline", "chrome_trace", "plan_timeline", "schedule_trace", "stage_label"]
 
@@ -51,8 +52,6 @@ class Timeline:
 
 
 def stage_label(plan: Plan, k: int) -> str:
-    from autopar.planner.report import module_ranges
-
     return f"stage {k}: {module_ranges(plan.stages[k].modules)}"
 
 
