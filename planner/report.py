@@ -233,18 +233,22 @@ def distinct_alternatives(best: Plan, alternatives: tuple[Plan, ...] | list[Plan
         if any(_same(p, q) for q in shown):
             continue
         mine = decisions(p)
-        skip = {"model state"} | ({"tp sharding"} if p.mesh.tp != best.mesh.tp else set())  # implied by the mesh
-        diff = [f"{k} {base[k]} -> {mine[k]}" for k in base if mine[k] != base[k] and k not in skip]
-        if mine["model state"] != base["model state"]:
-            diff.append(f"model state {base['model state']} -> {mine['model state']} per device")
-        if not diff:
-            diff = ["the same choices with other per-op shardings"]
-        label = "; ".join(diff)
-        if any(label == lbl for lbl, _ in out):
-            continue
+        implied = {"tp sharding"} if p.mesh.tp != best.mesh.tp else set()  # a new tp implies new shardings
+        label = _label(base, mine, skip=implied)
+        if any(label == lbl for lbl, _ in out):  # another distinct plan reads the same: say what tells them apart
+            label = _label(base, mine, skip=set())
+            if any(label == lbl for lbl, _ in out):
+                label += " (other per-op shardings)"
         shown.append(p)
         out.append((label, p))
     return out
+
+
+def _label(base: dict[str, str], mine: dict[str, str], *, skip: set[str]) -> str:
+    diff = [f"{k} {base[k]} -> {mine[k]}" for k in base if mine[k] != base[k] and k not in skip | {"model state"}]
+    if mine["model state"] != base["model state"]:
+        diff.append(f"model state {base['model state']} -> {mine['model state']} per device")
+    return "; ".join(diff) or "the same choices with other per-op shardings"
 
 
 def alternatives_table(best: Plan, alternatives: tuple[Plan, ...] | list[Plan], *, width: int | None = None) -> str:

@@ -188,3 +188,12 @@ def test_diff_snapshot(width: int) -> None:
     check_golden(GOLDEN_DIR / "cli" / f"diff_gpt2-small_{width}.txt", text)
     assert max(len(line) for line in text.splitlines()) <= width
     assert "…" not in text and "x the speed of A" in text
+
+
+def test_distinct_alternatives_that_read_alike_are_both_listed_and_told_apart() -> None:
+    best = load_plan(PLANS / "gpt2-small_dgx-a100-80gb_1n_gb64.yaml")
+    one = dataclasses.replace(best, zero=(best.zero + 1) % 4)
+    two = dataclasses.replace(one, notes=(*one.notes, "another plan with the same choices"))
+    listed = distinct_alternatives(best, [one, two])
+    assert [p for _, p in listed] == [one, two]
+    assert listed[0][0] != listed[1][0]
