@@ -92,6 +92,35 @@ def make_plan(graph: ir.Graph, *, pp: int = 1, dp: int = 1, tp: int = 1, zero: i
                    stages=stages, param_shardings=pshard, op_shardings=oshard)
 
 
+def planned(graph: ir.Graph, mesh: dict[str, int], global_batch: int) -> ir.Plan:
+    """The planner's float32 plan for ``graph`` under ``mesh`` (pins dp/tp/pp, optionally micro_batch) on as many
+    A100-profile devices as the mesh has ranks."""
+    import dataclasses
+
+    from autopar.planner.options import PlanOptions
+    from autopar.planner.search import search
+    from autopar.profiles.builtin import load_builtin
+
+    world = mesh["dp"] * mesh["tp"] * mesh["pp"]
+    prof = dataclasses.replace(load_builtin("dgx-a100-80gb", nodes=1), devices_per_node=world)
+    opts = PlanOptions(global_batch=global_batch, pins=dict(mesh), dtype="float32", workers=1, top_k=0)
+    return search(graph, prof, opts).best
+
+
+def sgd_losses(model: torch.nn.Module, loss_of: Callable[[torch.nn.Module, int], torch.Tensor], steps: int,
+               lr: float) -> list[float]:
+    """Single-process reference: ``steps`` SGD steps of ``loss_of(model, step)``; the loss of each step."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        loss = loss_of(model, step)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return losses
+
+
 def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))

@@ -12,7 +12,6 @@ model, runs the same fx-captured path as timm's (conv and BatchNorm modules, opt
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import pytest
 import torch
@@ -23,7 +22,7 @@ from autopar.planner.search import search
 from autopar.profiles.builtin import load_builtin
 
 from ecosystem_models import REAL, TINY, B, available, loss_fn, tiny
-from harness import spawn
+from harness import planned, sgd_losses, spawn
 
 pytestmark = pytest.mark.multiprocess
 
@@ -46,23 +45,12 @@ def _skip_unavailable(name: str) -> None:
 
 
 def _plan(graph: ir.Graph, mesh: dict[str, int]) -> ir.Plan:
-    world = mesh["dp"] * mesh["tp"] * mesh["pp"]
-    prof = dataclasses.replace(load_builtin("dgx-a100-80gb", nodes=1), devices_per_node=world)
-    return search(graph, prof, PlanOptions(global_batch=B, pins=dict(mesh), dtype="float32", workers=1, top_k=0)).best
+    return planned(graph, mesh, B)
 
 
 def _reference(name: str) -> list[float]:
     model, batch = tiny(name)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for step in range(STEPS):
-        x, y = batch(step)
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss))
-    return losses
+    return sgd_losses(model, lambda m, step: loss_fn(m(*batch(step)[:1]), batch(step)[1]), STEPS, LR)
 
 
 def _train(rank: int, name: str, cases: list[tuple[str, ir.Plan]], graph: ir.Graph) -> dict[str, list[float] | str]:

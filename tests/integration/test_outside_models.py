@@ -14,7 +14,6 @@ parameters get plain data parallelism.
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import pytest
 import torch
@@ -24,7 +23,7 @@ from autopar.planner.options import PlanOptions
 from autopar.planner.search import PlanInfeasibleError, search
 from autopar.profiles.builtin import load_builtin
 
-from harness import spawn
+from harness import planned, sgd_losses, spawn
 from outside_models import REAL, TINY, B, real, tiny
 
 pytestmark = pytest.mark.multiprocess
@@ -44,22 +43,12 @@ rule, runs on whole tensors under tp)."""
 
 
 def _plan(graph: ir.Graph, mesh: dict[str, int]) -> ir.Plan:
-    world = mesh["dp"] * mesh["tp"] * mesh["pp"]
-    prof = dataclasses.replace(load_builtin("dgx-a100-80gb", nodes=1), devices_per_node=world)
-    return search(graph, prof, PlanOptions(global_batch=B, pins=dict(mesh), dtype="float32", workers=1, top_k=0)).best
+    return planned(graph, mesh, B)
 
 
 def _reference(name: str) -> list[float]:
     model, batch = tiny(name)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for step in range(STEPS):
-        loss = model(**batch(step)).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss))
-    return losses
+    return sgd_losses(model, lambda m, step: m(**batch(step)).loss, STEPS, LR)
 
 
 def _train(rank: int, cases: list[tuple[str, str, ir.Plan]]) -> dict[str, list[float] | str]:
@@ -229,14 +218,7 @@ def test_weights_from_checkpoint_state_dict_or_own_init(graphs: dict[str, ir.Gra
     model.save_pretrained(tmp_path)
     own = _meta_model("llama").to_empty(device="cpu")
     apply_model_init(own, 3)
-    opt = torch.optim.SGD(own.parameters(), lr=LR)
-    own_ref = []
-    for step in range(STEPS):
-        loss = own(**batch(step)).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        own_ref.append(float(loss))
+    own_ref = sgd_losses(own, lambda m, step: m(**batch(step)).loss, STEPS, LR)
     g = graphs["llama"]
     cases = [("checkpoint", "tp2", _plan(g, MESHES_2["tp2"])), ("state_dict", "pp2", _plan(g, MESHES_2["pp2"])),
              ("model", "dp2", _plan(g, MESHES_2["dp2"]))]
