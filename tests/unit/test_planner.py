@@ -37,7 +37,9 @@ def test_small_gpt_on_8_devices_is_pure_data_parallel(gpt2: ir.Graph) -> None:
     assert not p.param_shardings
     assert p.time.bubble == 0
     assert res.alternatives and all(a.time.total >= p.time.total for a in res.alternatives)
-    assert plan_from_yaml(plan_to_yaml(p)) == p
+    # the YAML round-trips exactly, apart from the search's wall time, which plans do not store (byte-identical
+    # plans across runs)
+    assert plan_from_yaml(plan_to_yaml(p)) == replace(p, solver=replace(p.solver, wall_s=0.0))
 
 
 def test_pins_are_respected_and_validated(gpt2: ir.Graph) -> None:
