@@ -22,7 +22,7 @@ from autopar.ir.graph import Graph
 from autopar.ir.passes.pipeline import PassOptions, default_pipeline, run_passes
 from autopar.ir.plan import Plan
 from autopar.planner.inter_op import Candidate, LayerTable, Screened, build_plan, divisors, layer_table, screen
-from autopar.planner.inter_op.screen import ScreenMemo
+from autopar.planner.inter_op.screen import ScreenMemo, param_floor
 from autopar.planner.intra_op import IntraOpOptions, solve_graph
 from autopar.planner.intra_op.coster import gradient_values
 from autopar.planner.intra_op.cpsat import CPSAT_WORKERS
@@ -40,6 +40,9 @@ _EXACT = 24  # screened candidates evaluated exactly
 LEAN_PRICE_S_PER_BYTE = 1e-10
 """Price on parameter-state bytes for the memory-lean intra-op solve: 0.1 s per GB outweighs any collective a
 replicated weight could save, so weights get sharded wherever the solver can shard them."""
+_LEANER = 0.999
+"""The memory-lean sharding is a candidate of its own when it holds under this fraction of the fastest one's
+parameters."""
 
 
 class PlanInfeasibleError(AutoparError):
@@ -135,6 +138,7 @@ class _Tables:
         self.requires_grad = {id(g): gradient_values(g) for g in (graph, self.fused)}
         self.trace_batch = graph.batch
         self._cache: dict[tuple[int, int, bool], LayerTable] = {}
+        self._floor: dict[int, float] = {}
         self.opts = IntraOpOptions(time_limit_s=options.intra_op_time_limit_s, workers=CPSAT_WORKERS,
                                    seed=options.seed)
         self.lean_opts = replace(self.opts, param_byte_price_s=LEAN_PRICE_S_PER_BYTE,
@@ -166,10 +170,27 @@ class _Tables:
         return self._cache[key]
 
     def prefetch(self, keys: list[tuple[int, int, bool]], pool: Pool[_Screening]) -> None:
-        """Solve the missing ``keys`` on the pool's workers (the largest tp first: the longest solves)."""
-        todo = sorted({k for k in keys if k not in self._cache}, key=lambda k: (-k[0], k[1], k[2]))
-        for k, table in zip(todo, pool.map(_solve_task, todo)):
-            self._cache[k] = table
+        """Solve the missing ``keys`` on the pool's workers (the largest tp first: the longest solves): the fastest
+        shardings, then the memory-lean ones that :meth:`variants` can use."""
+        for lean in (False, True):
+            todo = sorted({k for k in keys if k[2] == lean and k not in self._cache
+                           and (not lean or self.lean_may_help(k[0], k[1]))}, key=lambda k: (-k[0], k[1]))
+            for k, table in zip(todo, pool.map(_solve_task, todo)):
+                self._cache[k] = table
+
+    def lean_may_help(self, tp: int, mb: int) -> bool:
+        """Whether the memory-lean sharding could hold fewer parameters than the fastest one by the margin
+        :meth:`variants` asks for: not when the fastest already comes within it of :func:`param_floor` (every
+        parameter sharded), which no sharding undercuts; then the lean solve is skipped."""
+        fast = self.get(tp, mb)
+        if fast is None or tp == 1:
+            return False
+        if tp not in self._floor:
+            self._floor[tp] = param_floor(self.graph, tp)
+        return not self._floor[tp] >= sum(fast.params) * _LEANER
+
+    def solved(self, key: tuple[int, int, bool]) -> bool:
+        return key in self._cache
 
     def numbers(self, key: tuple[int, int, bool]) -> LayerTable | None:
         """The solved table for ``key`` without its per-group solutions (what screening reads, a fraction of the
@@ -186,11 +207,11 @@ class _Tables:
         fast = self.get(tp, mb)
         if fast is None:
             return []
-        if tp == 1:
+        if not self.lean_may_help(tp, mb):
             return [(False, fast)]
         lean = self.get(tp, mb, True)
         return [(False, fast)] + ([(True, lean)] if lean is not None and
-                                  sum(lean.params) < sum(fast.params) * 0.999 else [])
+                                  sum(lean.params) < sum(fast.params) * _LEANER else [])
 
 
 @dataclass(frozen=True)
@@ -281,7 +302,7 @@ def _screen_tasks(s: _Screening, units: list[tuple[int, int]], keys: list[tuple[
     out = []
     for tp in tps:
         idx = [i for i, u in enumerate(units) if u[0] == tp]
-        mine = {k: s.tables.numbers(k) for k in dict.fromkeys(keys) if k[0] == tp}
+        mine = {k: s.tables.numbers(k) for k in dict.fromkeys(keys) if k[0] == tp and s.tables.solved(k)}
         for part in (idx[j::split] for j in range(min(split, len(idx)))):
             out.append((part, ([units[i] for i in part], mine)))
     return out

@@ -103,6 +103,19 @@ def _local_sum(sizes: tuple[tuple[str, int], ...], placements: dict[str, str], t
     return tot
 
 
+def param_floor(graph: Graph, tp: int) -> float:
+    """The least ``sum(table.params)`` any sharding at ``tp`` can have: every parameter sharded ``tp`` ways, summed
+    term by term as :func:`layer_table` sums a table's (each of its terms is this one or larger, and float sums of
+    larger terms in the same order are not smaller)."""
+    out = []
+    for sizes in _param_sizes(graph):
+        tot = 0.0
+        for _, numel in sizes:
+            tot += numel / tp
+        out.append(tot)
+    return sum(out)
+
+
 def _largest_local(sizes: tuple[tuple[str, int], ...], placements: dict[str, str], tp: int) -> float:
     return max((numel / (tp if placements.get(n, "R").startswith("S") else 1) for n, numel in sizes), default=0.0)
 

@@ -47,7 +47,11 @@ def test_plan_bytes_identical_for_any_worker_count(tiny: ir.Graph, monkeypatch: 
     one = search_mod.search(tiny, prof, PlanOptions(global_batch=32, workers=1))
     assert pooled == []
     two = search_mod.search(tiny, prof, PlanOptions(global_batch=32, workers=2))
-    assert pooled == (["_solve_task", "_screen_task", "_build_task"] if fork_available() else [])
+    if fork_available():  # the fastest shardings, the lean ones that can help (when two or more), screening, exact
+        assert pooled[0] == "_solve_task" and [p for p in pooled if p != "_solve_task"] == ["_screen_task",
+                                                                                             "_build_task"]
+    else:
+        assert pooled == []
     assert one.screened == two.screened
     assert _texts(one) == _texts(two)
 
@@ -265,3 +269,26 @@ def test_stage_partition_equals_the_upward_scan() -> None:
             feasible += 1
             assert got.boundaries == cuts and got.bottleneck_s <= t_star * (1 + 1e-9) + 1e-15
     assert feasible > 300
+
+
+def test_lean_solve_skipped_only_when_it_cannot_be_leaner() -> None:
+    """The memory-lean solve is skipped when the fastest sharding already comes within the margin of every parameter
+    sharded; solved anyway, such a lean table is never leaner by that margin (so it would not have been a
+    candidate). GPT-2 small on H100s has both cases."""
+    from autopar.planner.inter_op.screen import param_floor
+    from autopar.profiles.cost import CostModel
+
+    spec = build("gpt2-small", batch=1, device="meta")
+    graph = ir.trace(spec.model, spec.example_inputs, model_name="gpt2-small")
+    tables = search_mod._Tables(graph, CostModel(load_builtin("dgx-h100", nodes=1)), PlanOptions(global_batch=64))
+    skipped = helped = 0
+    for tp, mb in itertools.product((2, 4), (1, 8)):
+        fast, lean = tables.get(tp, mb), tables.get(tp, mb, True)
+        assert fast is not None and lean is not None and sum(lean.params) >= param_floor(graph, tp)
+        if not tables.lean_may_help(tp, mb):
+            skipped += 1
+            assert not sum(lean.params) < sum(fast.params) * search_mod._LEANER
+            assert [lean_ for lean_, _ in tables.variants(tp, mb)] == [False]
+        else:
+            helped += sum(lean.params) < sum(fast.params) * search_mod._LEANER
+    assert skipped and helped
