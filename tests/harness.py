@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import sys
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -129,8 +130,14 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
     try:
         result = fn(rank, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # no rank tears its process group down while a peer still talks to it
     finally:
         dist.destroy_process_group()
+    # Leave without the interpreter's teardown: gloo's background threads occasionally abort the process there
+    # ("terminate called without an active exception", SIGABRT) after the work is done and saved.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
