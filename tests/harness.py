@@ -122,6 +122,19 @@ def sgd_losses(model: torch.nn.Module, loss_of: Callable[[torch.nn.Module, int],
     return losses
 
 
+def program_losses(program: Any, batch: Callable[[int], Any], steps: int, lr: float) -> list[float]:
+    """``steps`` SGD steps of a parallel program on ``batch(step)`` (a keyword dict, or a tuple of step arguments);
+    the loss of each step (the same float on every rank)."""
+    opt = torch.optim.SGD(program.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        b = batch(step)
+        losses.append(program.step(*b) if isinstance(b, tuple) else program.step(b))
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
 def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))

@@ -22,7 +22,7 @@ from autopar.planner.search import search
 from autopar.profiles.builtin import load_builtin
 
 from ecosystem_models import REAL, TINY, B, available, loss_fn, tiny
-from harness import planned, sgd_losses, spawn
+from harness import planned, program_losses, sgd_losses, spawn
 
 pytestmark = pytest.mark.multiprocess
 
@@ -62,12 +62,7 @@ def _train(rank: int, name: str, cases: list[tuple[str, ir.Plan]], graph: ir.Gra
         before = copy.deepcopy(model.state_dict())
         prog = build_program(plan, model, loss_fn=loss_fn, example_inputs=batch(0)[0], graph=graph,
                              sync_batchnorm=True)
-        opt = torch.optim.SGD(prog.parameters(), lr=LR)
-        losses = []
-        for step in range(STEPS):
-            losses.append(prog.step(*batch(step)))
-            opt.step()
-            opt.zero_grad()
+        losses = program_losses(prog, batch, STEPS, LR)
         untouched = all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
         out[mesh] = losses if untouched else "the caller's model was modified"
     return out

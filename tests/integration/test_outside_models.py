@@ -23,7 +23,7 @@ from autopar.planner.options import PlanOptions
 from autopar.planner.search import PlanInfeasibleError, search
 from autopar.profiles.builtin import load_builtin
 
-from harness import planned, sgd_losses, spawn
+from harness import planned, program_losses, sgd_losses, spawn
 from outside_models import REAL, TINY, B, real, tiny
 
 pytestmark = pytest.mark.multiprocess
@@ -61,12 +61,7 @@ def _train(rank: int, cases: list[tuple[str, str, ir.Plan]]) -> dict[str, list[f
         model, batch = tiny(name)
         before = copy.deepcopy(model.state_dict())
         prog = build_program(plan, model, example_inputs=batch(0), graph=graphs[name], sync_batchnorm=True)
-        opt = torch.optim.SGD(prog.parameters(), lr=LR)
-        losses = []
-        for step in range(STEPS):
-            losses.append(prog.step(batch(step)))
-            opt.step()
-            opt.zero_grad()
+        losses = program_losses(prog, batch, STEPS, LR)
         untouched = all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
         out[f"{name}/{mesh}"] = losses if untouched else "the caller's model was modified"
     return out
@@ -164,13 +159,7 @@ def _one_liner(rank: int, name: str) -> list[float]:
     model, batch = tiny(name)
     program = auto_parallel(model, example_inputs=batch(0), global_batch=B, cluster="dgx-a100-80gb",
                             dtype="float32", pins={"tp": 2})
-    opt = torch.optim.SGD(program.parameters(), lr=LR)
-    losses = []
-    for step in range(STEPS):
-        losses.append(program.step(batch(step)))
-        opt.step()
-        opt.zero_grad()
-    return losses
+    return program_losses(program, batch, STEPS, LR)
 
 
 def test_auto_parallel_one_liner(references: dict[str, list[float]]) -> None:
@@ -196,13 +185,7 @@ def _train_from(rank: int, ckpt: str, cases: list[tuple[str, str, ir.Plan]]) -> 
         model, batch = _meta_model("llama"), TINY["llama"][1]
         init = {"checkpoint": ckpt, "state_dict": load_file(f"{ckpt}/model.safetensors"), "model": "model"}[source]
         prog = build_program(plan, model, example_inputs=batch(0), init=init, seed=3)
-        opt = torch.optim.SGD(prog.parameters(), lr=LR)
-        losses = []
-        for step in range(STEPS):
-            losses.append(prog.step(batch(step)))
-            opt.step()
-            opt.zero_grad()
-        out[f"{source}/{mesh}"] = losses
+        out[f"{source}/{mesh}"] = program_losses(prog, batch, STEPS, LR)
     return out
 
 
