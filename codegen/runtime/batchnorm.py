@@ -105,8 +105,10 @@ class ModuleSyncBatchNorm(nn.Module):
 
 
 def _is_module_bn(gm: fx.GraphModule, n: fx.Node) -> bool:
-    return n.op == "call_module" and isinstance(gm.get_submodule(str(n.target)), nn.modules.batchnorm._BatchNorm) \
-        and not isinstance(gm.get_submodule(str(n.target)), nn.SyncBatchNorm)
+    if n.op != "call_module":
+        return False
+    m = gm.get_submodule(str(n.target))
+    return isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)
 
 
 def has_batch_norm(gm: fx.GraphModule) -> bool:

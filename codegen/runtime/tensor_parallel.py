@@ -39,7 +39,16 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.utils.checkpoint import checkpoint
 
 from autopar import ir
-from autopar.codegen.runtime.tp_ops import CONV_OPS, ChannelConv, InplaceOnPlain, ModuleConv, WholeOp, custom_op, inplace_op
+from autopar.codegen.runtime.tp_ops import (
+    CONV_OPS,
+    ChannelConv,
+    InplaceOnPlain,
+    ModuleConv,
+    WholeOp,
+    custom_op,
+    inplace_op,
+    to_dtensor,
+)
 
 __all__ = ["implicit_replication", "dtensor_placement", "param_layout", "plan_param_placement", "Place", "LocalView",
            "HeadSDPA", "expand_op_shardings", "rewrite_group",
@@ -95,13 +104,6 @@ def implicit_replication() -> Iterator[None]:
         yield
     finally:
         disp._allow_implicit_replication = prev
-
-
-def to_dtensor(x: object, mesh: DeviceMesh) -> object:
-    """A plain tensor entering a tensor-parallel stage becomes a replicated DTensor (no communication)."""
-    if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
-        return DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-    return x
 
 
 def to_local_replicated(x: object) -> object:

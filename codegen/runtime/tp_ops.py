@@ -12,12 +12,14 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-__all__ = ["CONV_OPS", "ChannelConv", "InplaceOnPlain", "ModuleConv", "WholeOp", "custom_op", "inplace_op"]
+__all__ = ["CONV_OPS", "ChannelConv", "InplaceOnPlain", "ModuleConv", "WholeOp", "custom_op", "inplace_op",
+           "to_dtensor"]
 
 CONV_OPS = (torch.ops.aten.conv1d.default, torch.ops.aten.conv2d.default, torch.ops.aten.conv3d.default)
 
 
-def _to_dtensor(x: Any, mesh: Any) -> Any:
+def to_dtensor(x: Any, mesh: Any) -> Any:
+    """A plain tensor entering a tensor-parallel stage becomes a replicated DTensor (no communication)."""
     if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
         return DTensor.from_local(x, mesh, [Replicate()], run_check=False)
     return x
@@ -41,7 +43,7 @@ class ChannelConv(nn.Module):
             return self.op(x, w, b, *args)
         mesh, pl = w.device_mesh, w.placements[0]
         groups = args[3] if len(args) > 3 else 1  # (stride, padding, dilation, groups) follow the bias
-        x = _to_dtensor(x, mesh)
+        x = to_dtensor(x, mesh)
         if pl == Shard(0) and groups == 1:
             # each rank's input gradient covers its output channels only: partial sums, not a replicated value
             xl = x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
@@ -53,7 +55,7 @@ class ChannelConv(nn.Module):
             out = DTensor.from_local(self.op(xl, w.to_local(), None, *args), mesh, [Partial()], run_check=False)
             if b is None:
                 return out
-            bias = _to_dtensor(b, mesh).redistribute(mesh, [Replicate()])
+            bias = to_dtensor(b, mesh).redistribute(mesh, [Replicate()])
             return out + bias.reshape(-1, *([1] * (out.dim() - 2)))
         xl = x.redistribute(mesh, [Replicate()]).to_local()
         bf = b.full_tensor() if isinstance(b, DTensor) else b

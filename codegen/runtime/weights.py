@@ -115,27 +115,22 @@ def model_init(root: nn.Module) -> Initializer:
 
 def apply_model_init(model: nn.Module, seed: int) -> None:
     """:func:`model_init` on a real model, in place (what a single-process run of the same init computes)."""
-    hf = getattr(model, "_init_weights", None)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for m in model.modules():
-            _init_one(m, hf, recurse=False)
+    model_init(model)(model, seed)
 
 
 @torch.no_grad()
-def _init_one(m: nn.Module, hf: Callable[[nn.Module], None] | None, recurse: bool = False) -> None:
+def _init_one(m: nn.Module, hf: Callable[[nn.Module], None] | None) -> None:
     if hf is not None:
         hf(m)
     elif callable(getattr(m, "init_states", None)):
-        if recurse or not any(True for _ in m.children()):
+        # torchtitan's init_states recurses into children: initialize this module's own tensors only (a streamed
+        # module has no children; a whole model's modules do, and each is visited in turn)
+        saved = dict(m._modules)
+        m._modules.clear()
+        try:
             m.init_states()
-        else:  # torchtitan's init_states recurses: initialize this module's own tensors only
-            saved = dict(m._modules)
-            m._modules.clear()
-            try:
-                m.init_states()
-            finally:
-                m._modules.update(saved)
+        finally:
+            m._modules.update(saved)
     elif callable(getattr(m, "reset_parameters", None)):
         m.reset_parameters()
 
@@ -167,13 +162,14 @@ def load_weights(stages: list[nn.Module], model: nn.Module, init: Any, seed: int
     for fqn, value in (constants or {}).items():
         consume(fqn, value)
     real = not any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
-    what = "init='model'" if isinstance(init, str) and init == "model" else "the source model" if isinstance(
-        init, str) and init == "copy" else f"init={getattr(init, '__name__', '?')}" if callable(init) else ""
     if isinstance(init, str) and init == "copy":
+        what = "the source model"
         copy_into(model, consume)
     elif isinstance(init, str) and init == "model":
+        what = "init='model'"
         seed_stream(meta_clone(model), seed, consume, model_init(model))
     elif callable(init):
+        what = f"init={getattr(init, '__name__', '?')}"
         seed_stream(meta_clone(model), seed, consume, init)
     else:
         state = open_state(init)
