@@ -6,10 +6,14 @@ Placements use DTensor's notation on the ``tp`` mesh axis: ``R`` (replicated), `
 *pattern*: ``*`` stands for
 the index of a repeated block (``blocks.*.attn.qkv.weight``), because identical blocks share one solution.
 
-Mesh ranks are laid out with ``tp`` innermost, then ``dp``, then ``pp`` (rank = (pp_i * dp + dp_i) * tp + tp_i), so a
-``tp`` group is consecutive ranks, i.e. inside a node whenever ``tp`` divides the devices per node.
+Mesh ranks are laid out with ``tp`` innermost, then ``cp`` (context parallelism), then ``dp``, then ``pp``
+(rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i), the tp-cp-dp-pp order of Megatron-LM's rank generator, so a
+``tp`` group is consecutive ranks, i.e. inside a node whenever ``tp`` divides the devices per node.  ``ep`` (expert
+parallelism) is not an axis of its own: it divides ``dp``, and an ep group is ``ep`` consecutive dp indices
+(ep_i = dp_i % ep) that share everything else.
 
-YAML files carry ``schema_version``; :func:`load_plan` validates every field and names the first bad one.
+YAML files carry ``schema_version``; :func:`load_plan` validates every field and names the first bad one.  Version 1
+files (before ``ep`` and ``cp`` existed) still load, as ``ep = cp = 1``.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import yaml
 
@@ -28,13 +32,15 @@ from autopar.ir.safe_yaml import YamlLimitError, load_yaml, write_atomic
 from autopar.ir.serialize import from_data, to_data
 
 __all__ = [
-    "PLAN_SCHEMA_VERSION", "Schedule", "Recompute", "Placement", "MeshPlan", "ParamSharding", "OpSharding",
-    "MemoryBreakdown",
+    "PLAN_SCHEMA_VERSION", "Schedule", "Recompute", "Placement", "MeshCoords", "MeshPlan", "ParamSharding",
+    "OpSharding", "MemoryBreakdown",
     "TimeBreakdown", "StagePlan", "SolverReport", "ProfileSource", "Plan", "dump_plan", "load_plan", "plan_to_yaml",
     "plan_from_yaml",
 ]
 
-PLAN_SCHEMA_VERSION = 1
+PLAN_SCHEMA_VERSION = 2
+"""2: ``mesh.ep`` and ``mesh.cp``.  Version 1 plans load with both 1."""
+_OLD_SCHEMA_VERSIONS = (1,)
 DTYPES = ("float32", "bfloat16", "float16")
 """Training dtypes a plan may name (compute and gradient reduction)."""
 
@@ -46,31 +52,50 @@ def _check_placement(p: str, what: str) -> None:
         raise ValueError(f"{what}: {e}") from None
 
 
+class MeshCoords(NamedTuple):
+    """A rank's place on the mesh axes, outermost first."""
+
+    pp: int
+    dp: int
+    cp: int
+    tp: int
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MeshPlan:
-    """The device mesh: ``pp * dp * tp`` devices, ``tp`` innermost."""
+    """The device mesh: ``pp * dp * cp * tp`` devices, ``tp`` innermost, then ``cp``, ``dp``, ``pp``."""
 
     pp: int = 1
     """Pipeline-parallel degree (number of stage groups)."""
     dp: int = 1
     """Data-parallel degree (replicas, or FSDP shards under ZeRO)."""
+    ep: int = 1
+    """Expert-parallel degree: experts are sharded over ``ep`` ranks of the dp axis (divides ``dp``; does not change
+    the number of devices)."""
+    cp: int = 1
+    """Context-parallel degree: the sequence is split over ``cp`` ranks (its own mesh axis, between dp and tp)."""
     tp: int = 1
     """Tensor-parallel (intra-op) degree."""
 
     def __post_init__(self) -> None:
-        for k in ("pp", "dp", "tp"):
+        for k in ("pp", "dp", "ep", "cp", "tp"):
             check_bound(f"mesh.{k}", getattr(self, k), MAX_NODES * MAX_DEVICES_PER_NODE)
+        if self.dp % self.ep:
+            raise ValueError(f"mesh.ep={self.ep} must divide mesh.dp={self.dp} (experts are sharded over ranks "
+                             "that share data parallelism)")
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
 
-    def rank(self, pp: int, dp: int, tp: int) -> int:
-        return (pp * self.dp + dp) * self.tp + tp
+    def rank(self, *, pp: int = 0, dp: int = 0, cp: int = 0, tp: int = 0) -> int:
+        """Global rank at these coordinates (keywords, so that adding an axis never shifts a positional call)."""
+        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
 
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """(pp, dp, tp) coordinates of a global rank."""
-        return rank // (self.dp * self.tp), (rank // self.tp) % self.dp, rank % self.tp
+    def coords(self, rank: int) -> MeshCoords:
+        """(pp, dp, cp, tp) coordinates of a global rank."""
+        return MeshCoords(rank // (self.dp * self.cp * self.tp), (rank // (self.cp * self.tp)) % self.dp,
+                          (rank // self.tp) % self.cp, rank % self.tp)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -272,7 +297,7 @@ class Plan:
             raise ValueError("stages must start at layer group 0 (the prefix: embeddings etc.), got "
                              f"{self.stages[0].layer_start if self.stages else 'no stages'}")
         if self.mesh.world_size != self.nodes * self.devices_per_node:
-            raise ValueError(f"mesh pp*dp*tp = {self.mesh.world_size} does not equal nodes*devices_per_node = "
+            raise ValueError(f"mesh pp*dp*cp*tp = {self.mesh.world_size} does not equal nodes*devices_per_node = "
                              f"{self.nodes * self.devices_per_node}")
         if self.micro_batch * self.num_microbatches * self.mesh.dp != self.global_batch:
             raise ValueError(f"micro_batch*num_microbatches*dp = {self.micro_batch}*{self.num_microbatches}*"
@@ -330,10 +355,23 @@ def plan_from_yaml(text: str) -> Plan:
         raise SchemaError("", f"the YAML {e}", doc="plan") from None
     except RecursionError:
         raise SchemaError("", "YAML nested too deeply to be a plan", doc="plan") from None
+    if isinstance(data, dict) and type(data.get("schema_version")) is int and data["schema_version"] in _OLD_SCHEMA_VERSIONS:
+        data = _upgrade(data)
     if isinstance(data, dict) and "schema_version" in data and data["schema_version"] != PLAN_SCHEMA_VERSION:
         raise SchemaError("schema_version", f"version {clip(repr(data['schema_version']))} is not supported (this "
                           f"autopar reads version {PLAN_SCHEMA_VERSION})", doc="plan")
     return from_data(Plan, data, doc="plan")
+
+
+def _upgrade(data: dict) -> dict:
+    """A version-1 plan as version 2: its mesh had no ``ep``/``cp`` (both 1); it may not name them."""
+    mesh = data.get("mesh")
+    if isinstance(mesh, dict):
+        for k in ("ep", "cp"):
+            if k in mesh:
+                raise SchemaError(f"mesh.{k}", f"schema_version {data['schema_version']} plans have no mesh.{k} "
+                                  f"(it came with version 2)", doc="plan")
+    return {**data, "schema_version": PLAN_SCHEMA_VERSION}
 
 
 def dump_plan(plan: Plan, path: str | Path) -> None:

@@ -10,7 +10,7 @@ from autopar.planner.pool import available_cores
 
 __all__ = ["PlanOptions", "parse_pins", "PIN_KEYS"]
 
-PIN_KEYS = ("pp", "dp", "tp", "zero", "micro_batch", "schedule", "recompute", "virtual_stages")
+PIN_KEYS = ("pp", "dp", "ep", "cp", "tp", "zero", "micro_batch", "schedule", "recompute", "virtual_stages")
 _SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 _RECOMPUTE = ("none", "selective", "full")
 
@@ -28,7 +28,8 @@ class PlanOptions:
     ZeRO 0).  fp32 by default: the common choice of FSDP and Megatron-LM users for bf16 training (torchtitan's
     ``mixed_precision_reduce``; Megatron-LM's fp32 gradient buffers), at twice the bytes of a bf16 reduction."""
     pins: Mapping[str, int | str] = field(default_factory=dict)
-    """Fixed choices: any of pp, dp, tp, zero, micro_batch, schedule, recompute, virtual_stages."""
+    """Fixed choices: any of pp, dp, ep, cp, tp, zero, micro_batch, schedule, recompute, virtual_stages (ep divides
+    dp; cp is a mesh axis of its own: pp*dp*cp*tp = devices)."""
     top_k: int = 5
     """How many alternatives to keep besides the best plan."""
     max_tp: int | None = None
@@ -69,6 +70,10 @@ class PlanOptions:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         for k, v in self.pins.items():
             _check_pin(k, v)
+        ep, dp = self.pins.get("ep"), self.pins.get("dp")
+        if isinstance(ep, int) and isinstance(dp, int) and dp % ep:
+            raise ValueError(f"pin ep={ep} must divide pin dp={dp}: experts are sharded over ranks that share data "
+                             "parallelism")
         bad = [s for s in self.schedules if s not in _SCHEDULES]
         if bad:
             raise ValueError(f"unknown schedule(s) {bad}; choose from {_SCHEDULES}")

@@ -106,15 +106,15 @@ def _schedules(pp: int, m: int, n_groups: int, options: PlanOptions) -> list[tup
 
 def _validate_pins(world: int, options: PlanOptions, profile: ClusterProfile) -> None:
     prod = 1
-    for k in ("pp", "dp", "tp"):
+    for k in ("pp", "dp", "cp", "tp"):
         v = options.pins.get(k)
         if v is not None:
             if world % int(v):
                 raise ValueError(f"pin {k}={v} does not divide the {world} devices of {profile.nodes} x "
                                  f"{profile.devices_per_node}; choose a divisor of {world}")
             prod *= int(v)
-    if all(k in options.pins for k in ("pp", "dp", "tp")) and prod != world:
-        raise ValueError(f"pins pp*dp*tp = {prod} but the cluster has {world} devices")
+    if all(k in options.pins for k in ("pp", "dp", "cp", "tp")) and prod != world:
+        raise ValueError(f"pins pp*dp*cp*tp = {prod} but the cluster has {world} devices")
     if world % prod:
         raise ValueError(f"pinned degrees multiply to {prod}, which does not divide {world} devices")
     dp = options.pins.get("dp")

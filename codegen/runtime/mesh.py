@@ -1,4 +1,4 @@
-"""The device mesh of a plan: ``init_device_mesh`` with named axes (pp, dp, tp), tp innermost."""
+"""The device mesh of a plan: ``init_device_mesh`` with named axes (pp, dp, cp, tp), tp innermost."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ __all__ = ["build_mesh", "default_device", "MESH_DIMS"]
 
 log = logging.getLogger(__name__)
 
-MESH_DIMS: tuple[str, str, str] = ("pp", "dp", "tp")
+MESH_DIMS: tuple[str, str, str, str] = ("pp", "dp", "cp", "tp")
 
 
 def default_device() -> torch.device:
@@ -26,9 +26,9 @@ def default_device() -> torch.device:
 
 
 def build_mesh(plan: ir.Plan, device: torch.device) -> DeviceMesh:
-    """A 3-D mesh ``(pp, dp, tp)`` over the initialized default process group.
+    """A 4-D mesh ``(pp, dp, cp, tp)`` over the initialized default process group.
 
-    ``init_device_mesh`` lays ranks out row-major, so rank = (pp_i * dp + dp_i) * tp + tp_i, exactly
+    ``init_device_mesh`` lays ranks out row-major, so rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i, exactly
     :meth:`autopar.ir.MeshPlan.rank`: a tp group is consecutive ranks."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: run under torchrun (or call "
@@ -36,10 +36,10 @@ def build_mesh(plan: ir.Plan, device: torch.device) -> DeviceMesh:
     world = dist.get_world_size()
     if world != plan.mesh.world_size:
         raise ValueError(f"the plan needs {plan.mesh.world_size} processes (pp={plan.mesh.pp} x dp={plan.mesh.dp} "
-                         f"x tp={plan.mesh.tp}) but {world} are running; launch with --nproc-per-node "
+                         f"x cp={plan.mesh.cp} x tp={plan.mesh.tp}) but {world} are running; launch with --nproc-per-node "
                          f"{plan.mesh.world_size} or re-plan")
     m = plan.mesh
-    mesh = init_device_mesh(device.type, (m.pp, m.dp, m.tp), mesh_dim_names=MESH_DIMS)
+    mesh = init_device_mesh(device.type, (m.pp, m.dp, m.cp, m.tp), mesh_dim_names=MESH_DIMS)
     coords = m.coords(dist.get_rank())
     got = tuple(mesh.get_local_rank(d) for d in MESH_DIMS)
     assert got == coords, f"mesh coordinates {got} differ from the plan's rank layout {coords}"

@@ -207,7 +207,7 @@ class ParallelProgram:
         if self.plan.mesh.pp == 1:
             return local
         parts: list[dict[str, torch.Tensor] | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, local if self.coords[1:] == (0, 0) else {})
+        dist.all_gather_object(parts, local if self.coords[1:] == (0, 0, 0) else {})
         out: dict[str, torch.Tensor] = {}
         for part in parts:
             for k, v in (part or {}).items():
@@ -257,7 +257,7 @@ class ParallelProgram:
                 dpm.allreduce_grads([named[fqn]], group, average=False)
 
     def _reduce_loss(self, loss: torch.Tensor) -> float:
-        mine = loss if (self.is_last_stage and self.coords[2] == 0) else torch.zeros_like(loss)
+        mine = loss if (self.is_last_stage and self.coords.tp == 0) else torch.zeros_like(loss)
         buf = mine.reshape(1).clone()
         dist.all_reduce(buf)
         return float(buf.item()) / self.plan.mesh.dp
@@ -311,7 +311,7 @@ def build_program(plan: ir.Plan, model: Any, *, loss_fn: Loss | None = None,
     aliases = alias_names(meta)
     split = split_model(model if real and graph.frontend == "export" else meta, graph, micro, dev)
     tie_groups = _tie_groups(plan, split, aliases)
-    pp_rank, dp_rank, tp_rank = plan.mesh.coords(dist.get_rank())
+    pp_rank, dp_rank, _, tp_rank = plan.mesh.coords(dist.get_rank())
     indices = local_stage_indices(plan, pp_rank)
     tp_mesh = mesh["tp"] if plan.mesh.tp > 1 else None
     canon = {a: c for c, names in aliases.items() for a in names}
@@ -440,9 +440,10 @@ def _tie_groups(plan: ir.Plan, split: SplitModel, aliases: dict[str, list[str]])
         if len(pps) < 2:
             continue
         for d in range(plan.mesh.dp):
-            for t in range(plan.mesh.tp):
-                ranks = [plan.mesh.rank(p, d, t) for p in pps]
-                grp = dist.new_group(ranks)
-                if me in ranks:
-                    out[fqn] = grp
+            for c in range(plan.mesh.cp):
+                for t in range(plan.mesh.tp):
+                    ranks = [plan.mesh.rank(pp=p, dp=d, cp=c, tp=t) for p in pps]
+                    grp = dist.new_group(ranks)
+                    if me in ranks:
+                        out[fqn] = grp
     return out

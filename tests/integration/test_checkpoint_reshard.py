@@ -49,7 +49,7 @@ def gather_state(prog: Any, opt: torch.optim.Optimizer) -> dict[str, torch.Tenso
         for k, v in sorted(opt.state[p].items()):
             local[f"{k}/{fqn}"] = _full(v, c, tp) if isinstance(v, torch.Tensor) else torch.tensor(v)
     parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, local if prog.coords[1:] == (0, 0) else {})
+    dist.all_gather_object(parts, local if prog.coords[1:] == (0, 0, 0) else {})
     out: dict[str, torch.Tensor] = {}
     for part in parts:
         for k, v in part.items():

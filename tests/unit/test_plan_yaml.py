@@ -48,7 +48,35 @@ def test_round_trip_is_lossless() -> None:
     q = plan_from_yaml(text)
     assert q == p
     assert plan_to_yaml(q) == text
-    assert yaml.safe_load(text)["schema_version"] == 1
+    assert yaml.safe_load(text)["schema_version"] == 2
+    assert yaml.safe_load(text)["mesh"] == {"pp": 2, "dp": 4, "ep": 1, "cp": 1, "tp": 2}
+
+
+def test_ep_cp_round_trip_and_version_1_files() -> None:
+    p = make_plan(mesh=MeshPlan(pp=2, dp=2, ep=2, cp=2, tp=2), num_microbatches=16)
+    text = plan_to_yaml(p)
+    assert plan_from_yaml(text) == p and plan_to_yaml(plan_from_yaml(text)) == text
+    assert yaml.safe_load(text)["mesh"] == {"pp": 2, "dp": 2, "ep": 2, "cp": 2, "tp": 2}
+    old = yaml.safe_load(plan_to_yaml(make_plan()))
+    old["schema_version"] = 1
+    del old["mesh"]["ep"], old["mesh"]["cp"]
+    q = plan_from_yaml(yaml.safe_dump(old, sort_keys=False))
+    assert q == make_plan() and (q.mesh.ep, q.mesh.cp, q.schema_version) == (1, 1, 2)
+    old["mesh"]["cp"] = 2  # version 1 never had cp: a file naming it is not a version-1 plan
+    with pytest.raises(SchemaError, match="mesh.cp"):
+        plan_from_yaml(yaml.safe_dump(old))
+
+
+def test_mesh_layout_tp_cp_dp_pp() -> None:
+    m = MeshPlan(pp=2, dp=2, cp=2, tp=2)
+    assert m.world_size == 16
+    assert [m.coords(r) for r in (0, 1, 2, 4, 8, 15)] == [(0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 1, 0), (0, 1, 0, 0),
+                                                         (1, 0, 0, 0), (1, 1, 1, 1)]
+    assert all(m.rank(**m.coords(r)._asdict()) == r for r in range(16))
+    with pytest.raises(ValueError, match="ep=3 must divide mesh.dp=4"):
+        MeshPlan(dp=4, ep=3)
+    with pytest.raises(ValueError, match="mesh.cp"):
+        MeshPlan(cp=0)
 
 
 def test_placement_patterns() -> None:
@@ -56,7 +84,7 @@ def test_placement_patterns() -> None:
     assert p.placement_of("blocks.7.attn.qkv.weight") == "S(0)"
     assert p.placement_of("blocks.7.attn.qkv.bias") == "R"
     assert p.placement_of("blocksX7.attn.qkv.weight") == "R"
-    assert p.mesh.coords(p.mesh.rank(1, 3, 1)) == (1, 3, 1)
+    assert p.mesh.coords(p.mesh.rank(pp=1, dp=3, tp=1)) == (1, 3, 0, 1)
 
 
 @pytest.mark.parametrize("path,value,field", [

@@ -51,6 +51,11 @@ def test_pins_are_respected_and_validated(gpt2: ir.Graph) -> None:
         search(gpt2, prof, PlanOptions(global_batch=64, pins={"tp": 3}))
     with pytest.raises(ValueError, match="unknown pin"):
         parse_pins(["tq=2"])
+    assert parse_pins(["ep=2 ", "cp=4,dp=4"]) == {"ep": 2, "cp": 4, "dp": 4}
+    with pytest.raises(ValueError, match="pin ep=3 must divide pin dp=4"):
+        PlanOptions(global_batch=64, pins=parse_pins(["ep=3", "dp=4"]))
+    with pytest.raises(ValueError, match="positive integer"):
+        parse_pins(["cp=0"])
 
 
 def test_search_is_deterministic(gpt2: ir.Graph) -> None:
