@@ -96,6 +96,15 @@ def _matmul_flops(ins: Metas, outs: Sequence[TensorMeta], attrs: dict[str, Any])
     return 2.0 * out_numel * k
 
 
+def _grouped_mm_flops(ins: Metas, outs: Sequence[TensorMeta], attrs: dict[str, Any]) -> float:
+    # x [S, K] (S = routed token-expert pairs, sorted by expert) times one expert's [K, N] weight per row group:
+    # 2*S*K*N whatever the split of S over experts, i.e. exactly the top-k routed count (dropless)
+    x = ins[0] if ins else None
+    if x is None or not outs or not x.shape:
+        return 0.0
+    return 2.0 * outs[0].numel * x.shape[-1]
+
+
 def _sdpa_flops(ins: Metas, outs: Sequence[TensorMeta], attrs: dict[str, Any]) -> float:
     q, k, v = ins[0], ins[1], ins[2]
     if q is None or k is None or v is None:
@@ -149,6 +158,7 @@ OP_RULES: dict[str, OpRule] = {
     "linear": OpRule(OpKind.MATMUL, _linear_flops, 2.0),
     "matmul": OpRule(OpKind.MATMUL, _matmul_flops, 2.0),
     "einsum": OpRule(OpKind.MATMUL, _einsum_flops, 2.0),
+    "grouped_mm": OpRule(OpKind.MATMUL, _grouped_mm_flops, 2.0),
     "sdpa": OpRule(OpKind.ATTENTION, _sdpa_flops, 2.0),
     "conv": OpRule(OpKind.CONV, _conv_flops, 2.0),
     "embedding": OpRule(OpKind.EMBEDDING, _zero),
@@ -171,7 +181,8 @@ OP_RULES: dict[str, OpRule] = {
                          "mish", "hardswish", "elu", "leaky_relu", "log1p", "expm1")},
     # reductions
     **{k: _R for k in ("sum", "mean", "amax", "amin", "max", "min", "var", "std", "argmax", "argmin", "topk",
-                        "cumsum", "norm", "prod", "any", "all", "sort", "pool", "logsumexp")},
+                        "cumsum", "norm", "prod", "any", "all", "sort", "pool", "logsumexp", "histc",
+                        "argsort", "bincount")},
     # data movement
     **{k: _C for k in ("cat", "stack", "clone", "contiguous", "copy", "pad", "repeat", "roll", "flip")},
     **{k: OpRule(OpKind.GATHER, _zero) for k in ("gather", "scatter", "index_select", "index", "scatter_add",
@@ -190,6 +201,8 @@ ALIASES: dict[str, str] = {
     # matmul family
     "mm": "matmul", "bmm": "matmul", "addmm": "matmul", "baddbmm": "matmul", "matmul": "matmul",
     "Linear": "linear", "NonDynamicallyQuantizableLinear": "linear", "__matmul__": "matmul",
+    # grouped (per-expert) matmul of a sparse MoE: torch's, transformers' CPU fallback, the zoo's
+    "_grouped_mm": "grouped_mm", "grouped_mm_fallback": "grouped_mm", "expert_mm": "grouped_mm",
     # attention
     "scaled_dot_product_attention": "sdpa", "_scaled_dot_product_flash_attention": "sdpa",
     "_scaled_dot_product_efficient_attention": "sdpa", "_scaled_dot_product_flash_attention_for_cpu": "sdpa",

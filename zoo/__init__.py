@@ -19,12 +19,14 @@ from autopar.zoo.catalog import Family, list_models
 _LAZY = {
     "build": "registry", "get_config": "registry", "ModelSpec": "registry", "init_weights": "_init",
     "GPT": "gpt", "GPTConfig": "gpt", "Llama": "llama", "LlamaConfig": "llama", "MoEGPT": "moe", "MoEConfig": "moe",
+    "SparseMoE": "sparse_moe", "SparseMoEConfig": "sparse_moe", "routing_histogram": "sparse_moe",
     "WideResNet": "wrn", "WRNConfig": "wrn", "MLPModel": "mlp", "MLPConfig": "mlp",
 }
 
 __all__ = [
     "GPT", "Family", "GPTConfig", "Llama", "LlamaConfig", "MLPConfig", "MLPModel", "MoEConfig", "MoEGPT", "ModelSpec",
-    "WRNConfig", "WideResNet", "build", "get_config", "init_weights", "list_models",
+    "SparseMoE", "SparseMoEConfig", "WRNConfig", "WideResNet", "build", "get_config", "init_weights", "list_models",
+    "routing_histogram",
 ]
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only (names resolved lazily below)
@@ -34,6 +36,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only (names r
     from autopar.zoo.mlp import MLPConfig, MLPModel
     from autopar.zoo.moe import MoEConfig, MoEGPT
     from autopar.zoo.registry import ModelSpec, build, get_config
+    from autopar.zoo.sparse_moe import SparseMoE, SparseMoEConfig, routing_histogram
     from autopar.zoo.wrn import WideResNet, WRNConfig
 
 

@@ -47,9 +47,12 @@ def init_weights(model: nn.Module, seed: int = 0) -> None:
             if module.bias is not None:
                 module.bias.zero_()
         else:
-            # Norms (LayerNorm, RMSNorm, BatchNorm): weight 1, bias 0.
+            # Norms (LayerNorm, RMSNorm, BatchNorm): weight 1, bias 0; stacked expert weights [E, out, in]: normal
             for name, p in module.named_parameters(recurse=False):
-                p.fill_(1.0 if name == "weight" else 0.0)
+                if p.dim() >= 2:
+                    normal_(p, INIT_STD)
+                else:
+                    p.fill_(1.0 if name == "weight" else 0.0)
 
 
 def materialize(

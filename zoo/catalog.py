@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 __all__ = ["SIZES", "Family", "family_of", "list_models", "unknown_model"]
 
-Family = Literal["gpt", "llama", "moe", "wrn", "mlp", "custom"]
+Family = Literal["gpt", "llama", "moe", "sparse_moe", "wrn", "mlp", "custom"]
 
 
 def _gpt(layers: int, hidden: int, heads: int, seq: int, vocab: int) -> dict[str, Any]:
@@ -62,6 +62,24 @@ SIZES: dict[str, tuple[Family, dict[str, Any]]] = {
     # Top-2 MoE (GShard/Mixtral-style routing): 8 experts on a GPT-3 XL (1.3B) backbone, ~7.0B params in total.
     "moe-8x1b": ("moe", {"layers": 24, "hidden": 2048, "heads": 16, "seq": 2048, "vocab": _GPT3_V, "experts": 8}),
     "moe-tiny": ("moe", {"layers": 2, "hidden": 64, "heads": 4, "seq": 32, "vocab": 128, "experts": 4}),
+    # Sparse top-k MoE, dropless, on a Llama backbone (autopar.zoo.sparse_moe). Mixtral 8x7B: Jiang et al. 2024,
+    # "Mixtral of Experts", Table 1 (dim 4096, 32 layers, 32 heads / 8 kv, hidden 14336, 8 experts, top 2, vocab
+    # 32000, RoPE theta 1e6): 46,702,792,704 parameters, as transformers' MixtralForCausalLM with that config.
+    "mixtral-8x7b": ("sparse_moe", {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "vocab": 32000,
+                                    "seq": 4096, "experts": 8, "top_k": 2, "expert_ffn": 14336}),
+    # DeepSeekMoE 16B: Dai et al. 2024, "DeepSeekMoE", and the released deepseek-moe-16b-base config.json (hidden
+    # 2048, 28 layers, 16 heads, 64 routed experts of width 1408, top 6 without renormalization, 2 shared experts
+    # (one SwiGLU of width 2 x 1408), first layer dense with width 10944, vocab 102400, context 4096, theta 1e4).
+    "deepseek-moe-16b": ("sparse_moe", {"layers": 28, "hidden": 2048, "heads": 16, "kv_heads": 16,
+                                        "vocab": 102400, "seq": 4096, "experts": 64, "top_k": 6,
+                                        "expert_ffn": 1408, "shared_ffn": 2816, "dense_layers": 1,
+                                        "dense_ffn": 10944, "norm_topk": False, "rope_theta": 10000.0,
+                                        "norm_eps": 1e-6}),
+    "sparse-moe-tiny": ("sparse_moe", {"layers": 2, "hidden": 32, "heads": 4, "kv_heads": 2, "vocab": 64,
+                                       "seq": 16, "experts": 4, "top_k": 2, "expert_ffn": 48}),
+    "deepseek-moe-tiny": ("sparse_moe", {"layers": 2, "hidden": 32, "heads": 4, "kv_heads": 4, "vocab": 64,
+                                         "seq": 16, "experts": 8, "top_k": 3, "expert_ffn": 16, "shared_ffn": 32,
+                                         "dense_layers": 1, "dense_ffn": 64, "norm_topk": False}),
     # Wide-ResNet: Zagoruyko & Komodakis 2016, WRN-50-2 / WRN-101-2 (ImageNet, 224x224).
     "wrn-50-2": ("wrn", {"blocks": (3, 4, 6, 3)}),
     "wrn-101-2": ("wrn", {"blocks": (3, 4, 23, 3)}),

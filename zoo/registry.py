@@ -26,12 +26,13 @@ from autopar.zoo.gpt import GPT, GPTConfig
 from autopar.zoo.llama import Llama, LlamaConfig
 from autopar.zoo.mlp import MLPConfig, MLPModel
 from autopar.zoo.moe import MoEConfig, MoEGPT
+from autopar.zoo.sparse_moe import SparseMoE, SparseMoEConfig
 from autopar.zoo.wrn import WideResNet, WRNConfig
 
 __all__ = ["ModelSpec", "Family", "build", "list_models", "get_config", "lm_loss", "classification_loss",
            "regression_loss"]
 
-ZooConfig = GPTConfig | LlamaConfig | MoEConfig | WRNConfig | MLPConfig
+ZooConfig = GPTConfig | LlamaConfig | MoEConfig | SparseMoEConfig | WRNConfig | MLPConfig
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -63,13 +64,13 @@ class ModelSpec:
 # ---------------------------------------------------------------------------------------------------------------------
 # Sizes (the table lives in autopar.zoo.catalog, which does not import torch)
 # ---------------------------------------------------------------------------------------------------------------------
-_CONFIG_TYPES: dict[str, type] = {"gpt": GPTConfig, "llama": LlamaConfig, "moe": MoEConfig, "wrn": WRNConfig,
-                                  "mlp": MLPConfig}
+_CONFIG_TYPES: dict[str, type] = {"gpt": GPTConfig, "llama": LlamaConfig, "moe": MoEConfig,
+                                  "sparse_moe": SparseMoEConfig, "wrn": WRNConfig, "mlp": MLPConfig}
 _CONFIGS: dict[str, tuple[Family, ZooConfig]] = {name: (fam, _CONFIG_TYPES[fam](**kw)) for name, (fam, kw) in
                                                  SIZES.items()}
 
 _CONSTRUCTORS: dict[str, Callable[[Any], nn.Module]] = {
-    "gpt": GPT, "llama": Llama, "moe": MoEGPT, "wrn": WideResNet, "mlp": MLPModel,
+    "gpt": GPT, "llama": Llama, "moe": MoEGPT, "sparse_moe": SparseMoE, "wrn": WideResNet, "mlp": MLPModel,
 }
 
 
@@ -120,7 +121,7 @@ def _io(family: Family, cfg: Any, batch: int, device: torch.device | str, dtype:
         tuple[torch.Tensor, ...], Callable[[int, torch.device | str], torch.Tensor],
         Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
     """(example_inputs, make_target, loss_fn) for a built-in family."""
-    if family in ("gpt", "llama", "moe"):
+    if family in ("gpt", "llama", "moe", "sparse_moe"):
         inputs = (_randint(cfg.vocab, (batch, cfg.seq), device, seed),)
         return inputs, lambda b, d: _randint(cfg.vocab, (b, cfg.seq), d, seed + 1), lm_loss
     if family == "wrn":
@@ -149,7 +150,7 @@ def build(name: str, *, batch: int = 8, device: torch.device | str = "meta", dty
         raise unknown_model(name)
     family, cfg = _CONFIGS[name]
     if seq is not None:
-        if family not in ("gpt", "llama", "moe"):
+        if family not in ("gpt", "llama", "moe", "sparse_moe"):
             raise ValueError(f"seq does not apply to {family!r} model {name!r}; leave it unset")
         cfg = dataclasses.replace(cfg, seq=seq)
     ctor = _CONSTRUCTORS[family]

@@ -47,7 +47,7 @@ def test_list_models_covers_the_brief() -> None:
 def test_every_model_builds_on_meta(name: str) -> None:
     spec = build(name, batch=2)
     assert isinstance(spec, ModelSpec) and spec.name == name
-    assert spec.family in ("gpt", "llama", "moe", "wrn", "mlp")
+    assert spec.family in ("gpt", "llama", "moe", "sparse_moe", "wrn", "mlp")
     assert all(p.is_meta for p in spec.model.parameters())
     assert all(t.is_meta and t.shape[0] == 2 for t in spec.example_inputs)
     assert spec.example_target is not None and spec.example_target.is_meta
@@ -147,7 +147,7 @@ def test_gpt_param_count_property(layers: int, heads: int, head_dim: int, seq: i
 
 def expected_output_shape(spec: ModelSpec, batch: int) -> tuple[int, ...]:
     cfg = spec.config
-    if spec.family in ("gpt", "llama", "moe"):
+    if spec.family in ("gpt", "llama", "moe", "sparse_moe"):
         return (batch, cfg.seq, cfg.vocab)
     return (batch, cfg.classes) if spec.family == "wrn" else (batch, cfg.out_features)
 
