@@ -34,8 +34,8 @@ from autopar.ir.serialize import from_data, to_data
 __all__ = [
     "PLAN_SCHEMA_VERSION", "Schedule", "Recompute", "Placement", "MeshCoords", "MeshPlan", "ParamSharding",
     "OpSharding", "MemoryBreakdown",
-    "TimeBreakdown", "StagePlan", "SolverReport", "ProfileSource", "Plan", "dump_plan", "load_plan", "plan_to_yaml",
-    "plan_from_yaml",
+    "TimeBreakdown", "StagePlan", "DeviceGroup", "SolverReport", "ProfileSource", "Plan", "dump_plan", "load_plan",
+    "plan_to_yaml", "plan_from_yaml",
 ]
 
 PLAN_SCHEMA_VERSION = 2
@@ -197,12 +197,27 @@ class StagePlan:
     """Forward time of one micro-batch on this stage (including tp communication)."""
     bwd_s: float = 0.0
     memory: MemoryBreakdown = field(default_factory=MemoryBreakdown)
+    device_group: str = ""
+    """The device group (of ``Plan.device_groups``) this stage runs on; '' in a plan on one device type (and then
+    omitted from the YAML)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", Recompute(self.recompute))
         if not 0 <= self.layer_start < self.layer_end:
             raise ValueError(f"stage {self.index}: empty or negative layer range [{self.layer_start}, "
                              f"{self.layer_end})")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeviceGroup:
+    """Nodes of one device type in a plan on a heterogeneous cluster, in rank order: the first group's nodes hold the
+    first ranks (pipeline ranks are outermost, so each pipeline rank lies in one group)."""
+
+    name: str
+    """The group's name in the cluster profile."""
+    device: str
+    """Its device model, e.g. 'NVIDIA H100 80GB HBM3'."""
+    nodes: int
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -276,6 +291,8 @@ class Plan:
     """User constraints the plan was made under (``tp=8``...)."""
     solver: SolverReport = field(default_factory=SolverReport)
     notes: tuple[str, ...] = ()
+    device_groups: tuple[DeviceGroup, ...] = ()
+    """Heterogeneous cluster: its node groups in rank order, each stage naming its own (omitted when empty)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedule", Schedule(self.schedule))
@@ -310,6 +327,7 @@ class Plan:
                 raise ValueError(f"stages.{i}.index is {s.index}")
             if i and s.layer_start != self.stages[i - 1].layer_end:
                 raise ValueError(f"stages.{i} starts at layer {s.layer_start}, not where stage {i - 1} ends")
+        _check_device_groups(self)
         if self.schedule != "interleaved_1f1b" and self.virtual_stages != 1:
             raise ValueError(f"virtual_stages={self.virtual_stages} needs schedule interleaved_1f1b")
         if self.schedule == "interleaved_1f1b" and self.num_microbatches % self.mesh.pp:
@@ -338,11 +356,38 @@ class Plan:
                               "re-plan with `autopar replan PLAN --nodes N`", doc="plan")
 
 
+def _check_device_groups(plan: Plan) -> None:
+    """Stages name the group their pipeline rank lies in (see :class:`DeviceGroup`), or none of them any."""
+    if not plan.device_groups:
+        if any(s.device_group for s in plan.stages):
+            raise ValueError("stages name device groups but the plan has no device_groups")
+        return
+    if sum(g.nodes for g in plan.device_groups) != plan.nodes or len({g.name for g in plan.device_groups}) != len(
+            plan.device_groups):
+        raise ValueError(f"device_groups must have unique names and {plan.nodes} nodes in all")
+    per_rank = plan.world_size // plan.mesh.pp
+    owner: list[str] = []
+    for g in plan.device_groups:
+        devices = g.nodes * plan.devices_per_node
+        if devices % per_rank:
+            raise ValueError(f"device group {g.name!r} ({devices} devices) does not hold whole pipeline ranks of "
+                             f"{per_rank} devices")
+        owner += [g.name] * (devices // per_rank)
+    for s in plan.stages:
+        if s.device_group != owner[s.index % plan.mesh.pp]:
+            raise ValueError(f"stages.{s.index}.device_group is {clip(repr(s.device_group))}, but its pipeline rank "
+                             f"runs on group {owner[s.index % plan.mesh.pp]!r}")
+
+
 def plan_to_yaml(plan: Plan) -> str:
     data = to_data(plan)
     data["solver"].pop("wall_s", None)  # machine-dependent: the side report has it (byte-identical plans)
     if data.get("cluster_source") is None:  # plans on built-in profiles read as before the field existed
         data.pop("cluster_source", None)
+    if not plan.device_groups:  # plans on one device type read as before heterogeneous clusters
+        data.pop("device_groups", None)
+        for st in data["stages"]:
+            st.pop("device_group", None)
     return yaml.safe_dump(data, sort_keys=False, width=120)
 
 

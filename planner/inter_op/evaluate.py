@@ -18,6 +18,7 @@ from typing import Sequence
 
 from autopar.ir.graph import DTYPE_BYTES, Graph
 from autopar.ir.plan import (
+    DeviceGroup,
     MemoryBreakdown,
     MeshPlan,
     OpSharding,
@@ -46,7 +47,7 @@ from autopar.planner.options import PlanOptions
 from autopar.profiles.cost import CostModel
 from autopar.profiles.schema import ClusterProfile
 
-__all__ = ["build_plan", "param_patterns", "evaluate_stages"]
+__all__ = ["build_plan", "assemble_plan", "param_patterns", "evaluate_stages"]
 
 _RC_ORDER = ("none", "selective", "full")
 
@@ -93,18 +94,23 @@ def _rank_memory(table: LayerTable, chunks: Sequence[tuple[int, int]], rc: str, 
         acts += max(max(table.act_none[a:b]) for a, b in chunks)
     per_tensor = options.dp_collectives == "tensor"
     largest = max(max((table.largest_tensor if per_tensor else table.params)[a:b]) for a, b in chunks)
-    return memory_breakdown(param_elems=_rank_params(table, chunks, n), zero=s.cand.zero, dp=s.cand.dp,
+    return memory_breakdown(param_elems=_rank_params(table, chunks, n), zero=s.cand.zero, dp=s.cand.grad_dp,
                             mixed_precision=options.dtype != "float32", activations=acts,
                             capacity=cost.profile.device.memory_bytes, largest_layer_elems=largest,
                             reduce_bytes=DTYPE_BYTES.get(options.reduce_dtype, 4), reserve=reserve_for(cost))
 
 
 def evaluate_stages(table: LayerTable, s: Screened, cost: CostModel, options: PlanOptions,
-                    chunks: Sequence[tuple[int, int]], p2p_intra: bool
+                    chunks: Sequence[tuple[int, int]], p2p_intra: bool,
+                    per_rank: Sequence[tuple[LayerTable, CostModel]] = (), p2p_s: Sequence[float] = ()
                     ) -> tuple[ScheduleResult, list[str], list[MemoryBreakdown], list[float], list[DpComm]] | None:
-    """Per-rank recompute choice, memory and the simulated schedule for fixed stage boundaries."""
+    """Per-rank recompute choice, memory and the simulated schedule for fixed stage boundaries.
+
+    Heterogeneous pipelines: ``per_rank[r]`` is pipeline rank ``r``'s own (table, cost model), its device type's, and
+    ``p2p_s`` the transfer time after each stage; otherwise every rank uses ``table`` and ``cost``."""
     c = s.cand
     pp, n = c.pp, len(table.fwd)
+    tc = list(per_rank) or [(table, cost)] * pp
     flights = in_flight(c.schedule, pp, c.num_microbatches, c.virtual_stages)
     allowed = _RC_ORDER[: _RC_ORDER.index(c.recompute) + 1]
     if options.pins.get("recompute") is not None:
@@ -113,7 +119,7 @@ def evaluate_stages(table: LayerTable, s: Screened, cost: CostModel, options: Pl
     for r in range(pp):
         mine = list(rank_chunks(chunks, pp, r))
         for rc in allowed:
-            mem = _rank_memory(table, mine, rc, flights[r], s, cost, options, n)
+            mem = _rank_memory(tc[r][0], mine, rc, flights[r], s, tc[r][1], options, n)
             if mem.total <= mem.capacity:
                 break
         else:
@@ -122,23 +128,24 @@ def evaluate_stages(table: LayerTable, s: Screened, cost: CostModel, options: Pl
         mems.append(mem)
     fwd, bwd, tp_comm = [], [], [0.0] * pp
     for k, (a, b) in enumerate(chunks):
-        rc = rcs[k % pp]
-        fwd.append(sum(table.fwd[a:b]))
-        bwd.append(sum(table.bwd[a:b]) + sum(table.recompute_fwd[rc][a:b]))
-        tp_comm[k % pp] += sum(sol.fwd_comm_s + sol.bwd_comm_s for sol in table.solutions[a:b])
-    p2p = [cost.p2p_time(table.out_bytes[b - 1], intra_node=p2p_intra) for _, b in chunks[:-1]]
+        rc, tab = rcs[k % pp], tc[k % pp][0]
+        fwd.append(sum(tab.fwd[a:b]))
+        bwd.append(sum(tab.bwd[a:b]) + sum(tab.recompute_fwd[rc][a:b]))
+        tp_comm[k % pp] += sum(sol.fwd_comm_s + sol.bwd_comm_s for sol in tab.solutions[a:b])
+    p2p = list(p2p_s) or [cost.p2p_time(table.out_bytes[b - 1], intra_node=p2p_intra) for _, b in chunks[:-1]]
     comms, opt = [], 0.0
     for r in range(pp):
+        table, cost = tc[r]
         mine = list(rank_chunks(chunks, pp, r))
         params = _rank_params(table, mine, n)
         ks = range(r, len(chunks), pp)
         comms.append(dp_time(cost, params=params, units=sum(b - a for a, b in mine), fwd_s=sum(fwd[k] for k in ks),
-                             bwd_s=sum(bwd[k] for k in ks), m=c.num_microbatches, dp=c.dp, tp=c.tp, zero=c.zero,
+                             bwd_s=sum(bwd[k] for k in ks), m=c.num_microbatches, dp=c.grad_dp, tp=c.tp, zero=c.zero,
                              dtype=options.dtype, reduce_dtype=options.reduce_dtype,
                              overlap=options.overlap_grad_sync, recompute=rcs[r],
                              tensors=sum(sum(table.tensors[a:b]) for a, b in mine)
                              if options.dp_collectives == "tensor" else 0))
-        opt = max(opt, params * ADAM_STEP_BYTES / (c.dp if c.zero >= 1 else 1)
+        opt = max(opt, params * ADAM_STEP_BYTES / (c.grad_dp if c.zero >= 1 else 1)
                   / cost.profile.device.memory_bandwidth)
     sim = simulate(fwd, bwd, pp=pp, num_microbatches=c.num_microbatches, schedule=c.schedule,  # type: ignore[arg-type]
                    virtual_stages=c.virtual_stages, p2p=p2p if p2p else 0.0, optimizer_s=opt,
@@ -157,14 +164,14 @@ def build_plan(graph: Graph, profile: ClusterProfile, options: PlanOptions, s: S
     """The exact plan for a screened candidate, or None if its exact memory check fails."""
     c = s.cand
     dpn = profile.devices_per_node
-    p2p_intra = c.dp * c.tp * c.pp <= dpn
+    p2p_intra = c.dp * c.cp * c.tp * c.pp <= dpn
     mixed = options.dtype != "float32"
     reserve = reserve_for(cost)
     flights = in_flight(c.schedule, c.pp, c.num_microbatches, c.virtual_stages)
     act_frac = 1 + reserve.fragmentation
     part = partition_stages(
         table.time(c.recompute),
-        [sum(model_state_bytes(p, zero=c.zero, dp=c.dp, mixed_precision=mixed)) for p in table.params],
+        [sum(model_state_bytes(p, zero=c.zero, dp=c.grad_dp, mixed_precision=mixed)) for p in table.params],
         [a * act_frac for a in table.act[c.recompute]], list(table.out_bytes), pp=c.pp,
         capacity=max(profile.device.memory_bytes - reserve.fixed_bytes, 0.0), virtual_stages=c.virtual_stages,
         p2p=lambda nbytes, k: cost.p2p_time(nbytes, intra_node=p2p_intra),
@@ -176,6 +183,20 @@ def build_plan(graph: Graph, profile: ClusterProfile, options: PlanOptions, s: S
         got = evaluate_stages(table, s, cost, options, chunks, p2p_intra)
     if got is None:
         return None
+    peak = profile.device.peak_flops.get(options.dtype) or max(profile.device.peak_flops.values())
+    return assemble_plan(graph, options, s, table, chunks, got, cluster=profile.name, nodes=profile.nodes, dpn=dpn,
+                         peak_flops=peak)
+
+
+def assemble_plan(graph: Graph, options: PlanOptions, s: Screened, table: LayerTable,
+                  chunks: Sequence[tuple[int, int]],
+                  got: tuple[ScheduleResult, list[str], list[MemoryBreakdown], list[float], list[DpComm]], *,
+                  cluster: str, nodes: int, dpn: int, peak_flops: float, rank_tables: Sequence[LayerTable] = (),
+                  device_groups: tuple[DeviceGroup, ...] = (), rank_groups: Sequence[str] = ()) -> Plan:
+    """The :class:`Plan` of an evaluated candidate (:func:`evaluate_stages`' result ``got``); ``peak_flops``: the
+    devices' mean peak (for MFU). Heterogeneous pipelines: ``rank_tables[r]`` and ``rank_groups[r]`` are pipeline rank
+    ``r``'s layer table and device group, ``device_groups`` the plan's groups."""
+    c = s.cand
     sim, rcs, mems, tp_comm, comms = got
     crit = max(range(c.pp), key=lambda r: sim.busy_s[r])
     busy = sim.busy_s[crit]
@@ -192,15 +213,15 @@ def build_plan(graph: Graph, profile: ClusterProfile, options: PlanOptions, s: S
         names = tuple("<prefix>" if g.role == "prefix" else "<suffix>" if g.role == "suffix" else
                       (g.module_path or "<whole>") for g in graph.layers[a:b])
         rc = rcs[k % c.pp]
+        tab = rank_tables[k % c.pp] if rank_tables else table
         stages.append(StagePlan(index=k, layer_start=a, layer_end=b, modules=names, recompute=rc,  # type: ignore
-                                fwd_s=sum(table.fwd[a:b]),
-                                bwd_s=sum(table.bwd[a:b]) + sum(table.recompute_fwd[rc][a:b]),
-                                memory=mems[k % c.pp]))
+                                fwd_s=sum(tab.fwd[a:b]),
+                                bwd_s=sum(tab.bwd[a:b]) + sum(tab.recompute_fwd[rc][a:b]),
+                                memory=mems[k % c.pp], device_group=rank_groups[k % c.pp] if rank_groups else ""))
     total = tb.total
     per_sample = graph.flops() / graph.batch
-    world = profile.nodes * dpn
+    world = nodes * dpn
     tflops = per_sample * options.global_batch / total / world / 1e12
-    peak = profile.device.peak_flops.get(options.dtype) or max(profile.device.peak_flops.values())
     notes = []
     if table.status != "optimal":
         notes.append(f"intra-op solve status {table.status}, optimality gap {table.gap:.2%}")
@@ -208,16 +229,16 @@ def build_plan(graph: Graph, profile: ClusterProfile, options: PlanOptions, s: S
         notes.append("FSDP2 realizes ZeRO-1/2 as full sharding without resharding after forward")
     return Plan(
         model=graph.model_name, graph_fingerprint=graph.fingerprint, num_params=graph.num_params,
-        cluster=profile.name, nodes=profile.nodes, devices_per_node=dpn, global_batch=options.global_batch,
+        cluster=cluster, nodes=nodes, devices_per_node=dpn, global_batch=options.global_batch,
         micro_batch=c.micro_batch, num_microbatches=c.num_microbatches,
-        mesh=MeshPlan(pp=c.pp, dp=c.dp, tp=c.tp),
+        mesh=MeshPlan(pp=c.pp, dp=c.dp, cp=c.cp, tp=c.tp),
         schedule=c.schedule, virtual_stages=c.virtual_stages, zero=c.zero, dtype=options.dtype,  # type: ignore
         reduce_dtype=options.reduce_dtype,
         stages=tuple(stages), param_shardings=param_patterns(graph, table),
         op_shardings=_op_shardings(graph, table), time=tb, samples_per_s=options.global_batch / total,
-        tflops_per_device=tflops, mfu=tflops * 1e12 / peak, fused_kernels=options.fused_kernels,
+        tflops_per_device=tflops, mfu=tflops * 1e12 / peak_flops, fused_kernels=options.fused_kernels,
         pins=tuple(f"{k}={v}" for k, v in sorted(options.pins.items())),
         solver=SolverReport(status="optimal" if table.status == "optimal" else "feasible",  # type: ignore
                             objective_s=total, best_bound_s=total * (1 - table.gap), gap=table.gap,
                             wall_s=table.solve_s, seed=options.seed, workers=CPSAT_WORKERS),
-        notes=tuple(notes))
+        notes=tuple(notes), device_groups=device_groups)

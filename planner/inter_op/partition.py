@@ -49,7 +49,8 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import TypeVar
 
-__all__ = ["StagePartition", "minmax_partition", "partition_stages", "rank_chunks", "stage_cost"]
+__all__ = ["StagePartition", "minmax_partition", "minmax_partition_hetero", "partition_stages",
+           "partition_stages_hetero", "rank_chunks", "stage_cost"]
 
 log = logging.getLogger(__name__)
 
@@ -137,13 +138,24 @@ class _Costs:
     pt: list[float]
     pm: list[float]
     pa: list[float]
+    per_group: Sequence[tuple[list[float], list[float], list[float]]] = ()
+    """Heterogeneous stages: (pt, pm, pa) per device group, stage ``k`` costed on group ``stage_group[k]``."""
+    stage_group: Sequence[int] = ()
+    caps: Sequence[float] = ()
+    """Heterogeneous stages: each device group's capacity per chunk (``capacity / v`` of that group)."""
+
+    def pre(self, k: int) -> tuple[list[float], list[float], list[float]]:
+        """Prefix sums (time, memory, activations) that virtual stage ``k`` is costed with."""
+        return self.per_group[self.stage_group[k]] if self.stage_group else (self.pt, self.pm, self.pa)
 
     def t(self, k: int, i: int, j: int) -> float:
         link = self.p2p(self.out_bytes[j - 1], k) if k < self.K - 1 else 0.0
-        return self.pt[j] - self.pt[i] + link
+        pt = self.pre(k)[0]
+        return pt[j] - pt[i] + link
 
     def m(self, k: int, i: int, j: int) -> float:
-        return self.pm[j] - self.pm[i] + self.in_flight(k) * (self.pa[j] - self.pa[i])
+        _, pm, pa = self.pre(k)
+        return pm[j] - pm[i] + self.in_flight(k) * (pa[j] - pa[i])
 
 
 def _prefix(x: Sequence[float]) -> list[float]:
@@ -173,7 +185,7 @@ def _dp(c: _Costs, n: int, cap: float, bound: float | None = None) -> tuple[floa
     ``bound`` None: cost is the stage time ``T_k``. Otherwise cost is the stage memory ``M_k`` and only stages with
     ``T_k <= bound`` are allowed. ``T_k`` and ``M_k`` are :meth:`_Costs.t` and :meth:`_Costs.m`, inlined with the
     same arithmetic (this loop is the exact evaluation's hot spot)."""
-    K, pt, pm, pa, inf = c.K, c.pt, c.pm, c.pa, math.inf
+    K, inf = c.K, math.inf
     best = [[inf] * (n + 1) for _ in range(K + 1)]
     arg = [[-1] * (n + 1) for _ in range(K + 1)]
     best[0][0] = 0.0
@@ -181,6 +193,8 @@ def _dp(c: _Costs, n: int, cap: float, bound: float | None = None) -> tuple[floa
         s = k - 1
         prev, cur, a = best[s], best[k], arg[k]
         f = c.in_flight(s)
+        pt, pm, pa = c.pre(s)
+        cap_s = c.caps[c.stage_group[s]] if c.stage_group else cap
         # The scan runs from the last start down: prefix sums of non-negative numbers make T and M grow as the start
         # moves down (float rounding is monotone), so once T or M alone exceeds what can still win or fit, every
         # earlier start does too and the scan stops. Ties keep the earliest start, as an upward scan with strict
@@ -193,7 +207,7 @@ def _dp(c: _Costs, n: int, cap: float, bound: float | None = None) -> tuple[floa
             bj, aj = inf, -1
             for i in range(j - 1, s - 1, -1):
                 mem = pmj - pm[i] + f * (paj - pa[i])
-                if mem > cap:
+                if mem > cap_s:
                     if mono:
                         break
                     continue
@@ -245,7 +259,8 @@ def _partition(costs: _Costs, *, n: int, pp: int, v: int, capacity: float) -> St
     times = tuple(costs.t(k, i, j) for k, (i, j) in enumerate(cuts))
     mems = tuple(costs.m(k, i, j) for k, (i, j) in enumerate(cuts))
     ranks = tuple(sum(rank_chunks(mems, pp, r)) for r in range(pp))
-    assert all(r <= capacity * (1 + _REL) for r in ranks)
+    assert all(m <= (costs.caps[costs.stage_group[r]] * v if costs.stage_group else capacity) * (1 + _REL)
+               for r, m in enumerate(ranks))
     log.debug("partitioned %d groups into %d stages: bottleneck %.6gs, cuts %s", n, K, max(times), cuts)
     return StagePartition(feasible=True, boundaries=cuts, stage_time=times, stage_memory=mems, rank_memory=ranks,
                           bottleneck_s=max(times))
@@ -267,6 +282,70 @@ def partition_stages(time: Sequence[float], mem: Sequence[float], act: Sequence[
                    in_flight=in_flight or (lambda k: 1.0), K=pp * virtual_stages, pt=_prefix(time),
                    pm=_prefix(mem), pa=_prefix(act))
     return _partition(costs, n=len(time), pp=pp, v=virtual_stages, capacity=capacity)
+
+
+def partition_stages_hetero(time: Sequence[Sequence[float]], mem: Sequence[Sequence[float]],
+                            act: Sequence[Sequence[float]], out_bytes: Sequence[float], *, pp: int,
+                            rank_group: Sequence[int], capacity: Sequence[float], virtual_stages: int = 1,
+                            p2p: P2PFn | None = None, in_flight: InFlightFn | None = None) -> StagePartition:
+    """:func:`partition_stages` for a pipeline whose ranks run on different device types.
+
+    ``time[g]``, ``mem[g]``, ``act[g]``: the per-layer-group costs on device group ``g``; ``rank_group[r]``: the
+    group pipeline rank ``r`` runs on (virtual stage ``k`` on ``rank_group[k % pp]``); ``capacity[g]``: bytes per
+    device of group ``g``. Each stage is costed and memory-checked on its own group, by the same two DPs; ``p2p``
+    should charge the inter-group link at a boundary between groups."""
+    if len(rank_group) != pp or any(not 0 <= g < len(time) for g in rank_group):
+        raise ValueError(f"rank_group needs one group index (< {len(time)}) per pipeline rank, got {rank_group}")
+    if not (len(time) == len(mem) == len(act) == len(capacity)) or not time:
+        raise ValueError("time, mem, act and capacity need one entry per device group")
+    for g in range(len(time)):
+        _validate(time[g], mem[g], act[g], out_bytes, pp, virtual_stages, capacity[g])
+    K = pp * virtual_stages
+    costs = _Costs(time=time[0], mem=mem[0], act=act[0], out_bytes=out_bytes, p2p=p2p or (lambda b, k: 0.0),
+                   in_flight=in_flight or (lambda k: 1.0), K=K, pt=[], pm=[], pa=[],
+                   per_group=[(_prefix(t), _prefix(m), _prefix(a)) for t, m, a in zip(time, mem, act)],
+                   stage_group=[rank_group[k % pp] for k in range(K)],
+                   caps=[c / virtual_stages for c in capacity])
+    return _partition(costs, n=len(time[0]), pp=pp, v=virtual_stages, capacity=min(capacity))
+
+
+def minmax_partition_hetero(times: Sequence[Sequence[float]], stage_group: Sequence[int]
+                            ) -> list[tuple[int, int]] | None:
+    """Screening's :func:`minmax_partition` for stages on different device types: ``times[g]`` the layer groups'
+    times on device group ``g``, ``stage_group[k]`` the group of stage ``k``. Binary search on the bottleneck with a
+    greedy fill that gives each stage, in order, as many layer groups as stay under it on its own device (leaving
+    one for each later stage); exact up to a single layer group heavier than the bottleneck."""
+    n, K = len(times[0]), len(stage_group)
+    if K > n or K < 1:
+        return None
+    pre = [_prefix(t) for t in times]
+
+    def fill(limit: float) -> list[tuple[int, int]] | None:
+        out, start = [], 0
+        for k, g in enumerate(stage_group):
+            p, last = pre[g], n - (K - k - 1)
+            end = start + 1
+            while end < last and p[end + 1] - p[start] <= limit:
+                end += 1
+            if k == K - 1:
+                end = n
+            out.append((start, end))
+            start = end
+        ok = all(pre[g][b] - pre[g][a] <= limit or b - a == 1 for g, (a, b) in zip(stage_group, out))
+        return out if ok else None
+
+    lo, hi = 0.0, max(p[n] for p in pre)
+    best = fill(hi)
+    for _ in range(60):
+        if hi - lo <= 1e-9 * max(hi, 1e-30):
+            break
+        mid = (lo + hi) / 2
+        got = fill(mid)
+        if got is None:
+            lo = mid
+        else:
+            hi, best = mid, got
+    return best
 
 
 def stage_cost(time: Sequence[float], mem: Sequence[float], act: Sequence[float], out_bytes: Sequence[float],
