@@ -1,4 +1,4 @@
-"""The ``autopar`` command-line tool: trace, profile, plan, show, explain, diff, run, calibrate, replan."""
+"""The ``autopar`` command-line tool: trace, profile, plan, show, explain, diff, run, calibrate, replan, schedule."""
 
 from __future__ import annotations
 
@@ -382,6 +382,10 @@ def build_parser() -> argparse.ArgumentParser:
     from autopar.planner.calibrate import add_parser as calibrate_args
 
     calibrate_args(sub)
+
+    from autopar.planner.cluster.cli import add_parser as schedule_args
+
+    schedule_args(sub)
 
     rp = sub.add_parser("replan", help="re-plan for another cluster size or other pins (same model)")
     rp.add_argument("plan")

@@ -36,8 +36,9 @@ def _run(*argv: str) -> dict:
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["models"], ["show", str(A)], ["diff", str(A), str(B)],
-                                  ["plan", "--help"], ["run", "--help"], ["profile", "--help"]],
-                         ids=["help", "models", "show", "diff", "plan-help", "run-help", "profile-help"])
+                                  ["plan", "--help"], ["run", "--help"], ["profile", "--help"],
+                                  ["schedule", "--help"]],
+                         ids=["help", "models", "show", "diff", "plan-help", "run-help", "profile-help", "schedule-help"])
 def test_light_commands_do_not_import_torch(argv: list[str]) -> None:
     r = _run(*argv)
     assert r["rc"] == 0, r

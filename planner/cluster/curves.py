@@ -1,0 +1,203 @@
+"""Throughput curves: a job's best plan, and its samples/s, at each node count it may get in each pool.
+
+Each point is a real plan from :func:`autopar.planner.search.search`.  Points are cached on disk under
+``$AUTOPAR_CACHE/schedule/`` keyed by the model's graph fingerprint, global batch, sequence, dtype, the pool's
+profile (its content hash), the node count and the planner's source, so a later ``autopar schedule`` (an arrival, a
+departure, another policy) plans only what it has not planned before.
+
+Which counts are planned: the powers of two in the job's node range, its equal share, its lower bound and any count it
+holds now (``extra``); ascending, and once doubling the nodes gains under ``SATURATION`` the larger counts are not
+planned (the job's batch or model no longer scales).  Monotone cleanup then makes every count's value the best plan
+on at most that many nodes: a job given more nodes can always run the best smaller plan and leave the rest idle.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from autopar.ir.safe_yaml import write_atomic
+from autopar.planner.cluster.jobs import Job, Pool
+
+__all__ = ["SATURATION", "Curves", "Point", "build_curves", "counts_to_plan", "monotone"]
+
+log = logging.getLogger(__name__)
+SATURATION = 1.02
+"""Doubling a job's nodes must raise its throughput by at least 2% for larger counts to be planned."""
+_FORMAT = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    """A job's best plan on ``nodes`` nodes of ``pool`` (after cleanup: on ``plan_nodes`` <= ``nodes`` of them)."""
+
+    pool: str
+    nodes: int
+    samples_per_s: float
+    plan_nodes: int
+    plan_yaml: str | None = None
+    """The plan (YAML text); None for a synthetic curve or a count with no plan."""
+    note: str = ""
+    """Why there is no plan at this count, when there is none."""
+    summary: str = ""
+    """The plan in one line (mesh, micro-batching, schedule, ZeRO)."""
+
+
+Curves = dict[str, dict[str, list[Point]]]
+"""job name -> pool name -> points, ascending in nodes."""
+
+
+def monotone(points: Iterable[Point]) -> list[Point]:
+    """``points`` sorted by nodes, each replaced by the best point at or below its count (see the module docstring)."""
+    out: list[Point] = []
+    best: Point | None = None
+    for p in sorted(points, key=lambda p: p.nodes):
+        if best is None or p.samples_per_s > best.samples_per_s:
+            best = p
+        out.append(p if best is p else replace(best, nodes=p.nodes, note=p.note))
+    return [p for p in out if p.samples_per_s > 0]
+
+
+def counts_to_plan(job: Job, pool: Pool, extra: Iterable[int] = ()) -> list[int]:
+    """The node counts worth planning for ``job`` in ``pool`` (ascending; see the module docstring)."""
+    rng = job.node_range(pool.devices_per_node, pool.nodes)
+    if not rng:
+        return []
+    counts = {rng.start, rng.stop - 1} | {n for n in extra if n in rng}
+    n = 1
+    while n < rng.stop:
+        if n >= rng.start:
+            counts.add(n)
+        n *= 2
+    return sorted(counts)
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _planner_digest() -> str:
+    """SHA-256 over the planner's and the profiles' source, this subpackage left out (it makes no plan)."""
+    planner = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for root in (planner, planner.parent / "profiles"):
+        for f in sorted(root.rglob("*.py")):
+            if root is planner and f.relative_to(planner).parts[0] == "cluster":
+                continue
+            h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+class _Cache:
+    """One JSON file per planned point (see the module docstring)."""
+
+    def __init__(self, root: Path | None) -> None:
+        from autopar.ir.trace_cache import cache_root
+
+        self.root = (root or cache_root()) / "schedule"
+        self.code = _planner_digest()
+
+    def path(self, key: dict[str, Any]) -> Path:
+        return self.root / f"{_digest(dict(key, format=_FORMAT, code=self.code))[:40]}.json"
+
+    def get(self, key: dict[str, Any]) -> dict[str, Any] | None:
+        p = self.path(key)
+        try:
+            data = json.loads(p.read_text())
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) and data.get("key") == _digest(key) else None
+
+    def put(self, key: dict[str, Any], value: dict[str, Any]) -> None:
+        p = self.path(key)
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            write_atomic(p, json.dumps(dict(value, key=_digest(key))))
+        except OSError as e:  # a read-only or full disk only costs the next call a re-plan
+            log.warning("could not cache a curve point in %s: %s", p.parent, e)
+
+
+def _plan_point(graph: Any, profile: Any, job: Job, dtype: str, time_limit: float) -> dict[str, Any]:
+    from autopar.ir.plan import plan_to_yaml
+    from autopar.planner.options import PlanOptions
+    from autopar.planner.search import search
+
+    opts = PlanOptions(global_batch=job.global_batch, dtype=dtype, top_k=0,  # type: ignore[arg-type]
+                       intra_op_time_limit_s=time_limit)
+    try:
+        best = search(graph, profile, opts).best
+    except ValueError as e:  # no mesh uses every device with this batch, or nothing fits in memory
+        return {"samples_per_s": 0.0, "plan": None, "note": " ".join(str(e).split())[:300]}
+    return {"samples_per_s": best.samples_per_s, "plan": plan_to_yaml(best), "note": "", "summary": summary(best)}
+
+
+def summary(p: Any) -> str:
+    """A plan in one line."""
+    mesh = " ".join(f"{k}={getattr(p.mesh, k)}" for k in ("pp", "dp", "ep", "cp", "tp") if getattr(p.mesh, k) > 1)
+    sched = f" {p.schedule}{'/v' + str(p.virtual_stages) if p.virtual_stages > 1 else ''}" if p.mesh.pp > 1 else ""
+    return f"{mesh or 'single device'} mb={p.micro_batch}x{p.num_microbatches}{sched} zero={p.zero}"
+
+
+def build_curves(jobs: list[Job], pools: list[Pool], *, extra: dict[str, dict[str, Iterable[int]]] | None = None,
+                 dtype: str = "bfloat16", time_limit: float = 10.0, cache_dir: Path | None = None,
+                 trace: Callable[[Job], Any] | None = None,
+                 progress: Callable[[str], None] | None = None) -> tuple[Curves, dict[str, int]]:
+    """Plan every job's curve in every pool; returns the cleaned curves and counts of planned / cached points."""
+    from autopar.planner.cluster.pools import pool_profile, profile_hash
+
+    cache = _Cache(cache_dir)
+    trace = trace or _trace_job
+    stats = {"planned": 0, "cached": 0}
+    curves: Curves = {}
+    for job in jobs:
+        graph = trace(job)
+        curves[job.name] = {}
+        for pool in pools:
+            base = pool_profile(pool)
+            key0 = {"model": graph.fingerprint, "batch": job.global_batch, "seq": job.seq, "dtype": dtype,
+                    "profile": profile_hash(base), "time_limit": time_limit}
+            raw: list[Point] = []
+            fed: list[Point] = []  # the feasible points so far
+            for n in counts_to_plan(job, pool, (extra or {}).get(job.name, {}).get(pool.name, ())):
+                if len(fed) >= 2 and fed[-1].nodes >= 2 * fed[-2].nodes and \
+                        fed[-1].samples_per_s < SATURATION * fed[-2].samples_per_s:
+                    break  # a doubling gained under 2%: saturated (see the module docstring)
+                key = dict(key0, nodes=n)
+                hit = cache.get(key)
+                if hit is None:
+                    if progress:
+                        progress(f"planning {job.name} on {n} x {pool.name}")
+                    hit = _plan_point(graph, pool_profile(pool, n), job, dtype, time_limit)
+                    cache.put(key, hit)
+                    stats["planned"] += 1
+                else:
+                    stats["cached"] += 1
+                sps = float(hit["samples_per_s"])
+                raw.append(Point(pool.name, n, sps, n, hit["plan"], "" if sps > 0 else str(hit.get("note", "")),
+                                 str(hit.get("summary", ""))))
+                if sps > 0:
+                    fed.append(raw[-1])
+            curves[job.name][pool.name] = monotone(raw)
+    return curves, stats
+
+
+def _trace_job(job: Job) -> Any:
+    """The job's model traced at batch 1 on the meta device; a built-in model's graph comes from the traced-graph
+    cache under the same key ``autopar plan`` uses, so either command's trace serves the other."""
+    from autopar import ir, zoo
+    from autopar.ir.trace_cache import cached_graph, source_digest
+
+    def make() -> Any:
+        spec = zoo.build(job.model, batch=1, device="meta", seq=job.seq)
+        return ir.verify(ir.trace(spec.model, spec.example_inputs, frontend="auto", model_name=job.model))
+
+    if job.model not in zoo.list_models():  # a user's factory: its source is not known, so always trace
+        return make()
+    key = {"zoo": job.model, "seq": job.seq, "batch": 1, "frontend": "auto",
+           "zoo_source": source_digest(Path(zoo.__file__).resolve().parent)}
+    return cached_graph(key, make)
