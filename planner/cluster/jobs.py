@@ -12,7 +12,9 @@
         max_devices: 256      # optional, default: the whole cluster
 
 The cluster is one or more pools of identical nodes: ``dgx-a100-80gb:32,dgx-h100:32`` (profile[:nodes], a profile being
-a built-in name or a profile YAML), or one profile with ``--nodes``.  A job runs inside one pool.
+a built-in name or a profile YAML), or one profile with ``--nodes``, or a heterogeneous profile (node groups of
+different device types, :mod:`autopar.profiles.hetero`, e.g. the built-in ``a100-h100``): one pool per group.  A job
+runs inside one pool.
 """
 
 from __future__ import annotations
@@ -142,8 +144,11 @@ class Pool:
 
 
 def parse_pools(spec: str, nodes: int | None = None) -> list[Pool]:
-    """``profile[:nodes][,profile[:nodes]...]``; a single profile without ``:nodes`` takes ``nodes`` (or its own)."""
-    from autopar.profiles.builtin import resolve_profile
+    """``profile[:nodes][,profile[:nodes]...]``; a single profile without ``:nodes`` takes ``nodes`` (or its own).
+
+    A heterogeneous profile (:mod:`autopar.profiles.hetero`: node groups of different device types) gives one pool
+    per group, its profile written ``SPEC#GROUP``."""
+    from autopar.profiles.hetero import is_hetero, load_cluster
 
     parts = [p.strip() for p in str(spec).split(",") if p.strip()]
     if not parts:
@@ -153,11 +158,19 @@ def parse_pools(spec: str, nodes: int | None = None) -> list[Pool]:
     pools: list[Pool] = []
     for part in parts:
         prof_spec, _, n = part.rpartition(":") if re.search(r":\d+$", part) else (part, "", "")
-        prof = resolve_profile(prof_spec)
-        count = int(n) if n else nodes if nodes is not None else prof.nodes
-        check_bound(f"nodes of pool {clip(prof_spec)}", count, MAX_NODES)
-        name, k = prof.name, 2
-        while any(p.name == name for p in pools):
-            name, k = f"{prof.name}#{k}", k + 1
-        pools.append(Pool(name=name, profile=prof_spec, nodes=count, devices_per_node=prof.devices_per_node))
+        prof = load_cluster(prof_spec)
+        if is_hetero(prof):
+            if n or nodes is not None:
+                raise ValueError(f"{clip(prof_spec)} is a heterogeneous profile: its groups fix their nodes")
+            members = [(f"{prof_spec}#{g.name}", g.name, g.nodes, g.profile.devices_per_node)
+                       for g in prof.groups]  # type: ignore[union-attr]
+        else:
+            count = int(n) if n else nodes if nodes is not None else prof.nodes
+            members = [(prof_spec, prof.name, count, prof.devices_per_node)]  # type: ignore[union-attr]
+        for ref, label, count, dpn in members:
+            check_bound(f"nodes of pool {clip(label)}", count, MAX_NODES)
+            name, k = label, 2
+            while any(p.name == name for p in pools):
+                name, k = f"{label}#{k}", k + 1
+            pools.append(Pool(name=name, profile=ref, nodes=count, devices_per_node=dpn))
     return pools

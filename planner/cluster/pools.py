@@ -11,12 +11,31 @@ from autopar.planner.cluster.jobs import Pool
 from autopar.profiles.builtin import resolve_profile
 from autopar.profiles.schema import ClusterProfile, profile_to_dict
 
-__all__ = ["pool_profile", "profile_hash"]
+__all__ = ["pool_profile", "profile_hash", "replan_profile"]
 
 
 @lru_cache(maxsize=64)
 def _base(spec: str) -> ClusterProfile:
+    """A pool's profile: a built-in name or YAML path, or ``SPEC#GROUP``, a group of a heterogeneous profile."""
+    from autopar.profiles.hetero import load_cluster
+
+    if "#" in spec:
+        whole, _, group = spec.rpartition("#")
+        prof = load_cluster(whole)
+        if not hasattr(prof, "group"):
+            raise ValueError(f"pool profile {spec!r}: {whole} is not a heterogeneous profile")
+        return prof.group(group).profile  # type: ignore[union-attr]
     return resolve_profile(spec)
+
+
+def replan_profile(pool: Pool) -> str:
+    """What ``autopar replan --cluster`` takes for this pool: the group's own profile reference when it has one."""
+    if "#" not in pool.profile:
+        return pool.profile
+    from autopar.profiles.hetero import load_cluster
+
+    whole, _, group = pool.profile.rpartition("#")
+    return load_cluster(whole).group(group).ref or pool.profile  # type: ignore[union-attr]
 
 
 def pool_profile(pool: Pool, nodes: int | None = None) -> ClusterProfile:

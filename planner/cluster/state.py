@@ -98,7 +98,9 @@ def move_commands(old: Placed, new: Placed, pool: Pool, old_dir: Path, new_dir: 
     and resume it from the checkpoint, resharded onto the new plan (README: replan and resume)."""
     old_plan, new_plan = old_dir / old.plan, new_dir / new.plan
     ckpt = f"{checkpoint_root.rstrip('/')}/{new.job.name}"
-    replan = ["autopar", "replan", str(old_plan), "--nodes", str(new.nodes), "--cluster", pool.profile,
+    from autopar.planner.cluster.pools import replan_profile
+
+    replan = ["autopar", "replan", str(old_plan), "--nodes", str(new.nodes), "--cluster", replan_profile(pool),
               "--model", new.job.model, "-o", str(new_plan)]
     run = ["autopar", "run", str(new_plan), "--model", new.job.model, "--resume", "--checkpoint-dir", ckpt,
            "--steps", steps]

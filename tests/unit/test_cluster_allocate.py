@@ -11,7 +11,8 @@ import pytest
 from autopar.ir.errors import SchemaError
 from autopar.planner.cluster.allocate import Choice, InfeasibleAllocation, Problem, allocate, objective
 from autopar.planner.cluster.curves import Point, counts_to_plan, monotone
-from autopar.planner.cluster.jobs import Job, Pool, parse_jobs
+from autopar.planner.cluster.jobs import Job, Pool, parse_jobs, parse_pools
+from autopar.planner.cluster.pools import pool_profile
 from autopar.planner.cluster.problem import build_problem, first_come_exclusive, gavel, weighted_total
 
 
@@ -182,3 +183,14 @@ def test_jobs_file_is_validated() -> None:
     for data in bad:
         with pytest.raises(SchemaError):
             parse_jobs(data)
+
+
+def test_pools_from_a_list_or_a_heterogeneous_profile() -> None:
+    a, h = parse_pools("dgx-a100-80gb:32,dgx-h100:32")
+    assert (a.name, a.nodes, h.name, h.nodes) == ("dgx-a100-80gb", 32, "dgx-h100", 32)
+    groups = parse_pools("a100-h100")  # the built-in heterogeneous profile: one pool per node group
+    assert [(p.name, p.nodes) for p in groups] == [("a100", 16), ("h100", 16)]
+    prof = pool_profile(groups[1], 4)
+    assert "H100" in prof.device.name and prof.nodes == 4
+    with pytest.raises(ValueError):
+        parse_pools("a100-h100:8")
