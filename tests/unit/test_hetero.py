@@ -121,3 +121,59 @@ def test_faster_device_gets_more_layers():
     part = partition_stages_hetero([slow, fast], [[1.0] * 12] * 2, [[0.0] * 12] * 2, [0.0] * 12, pp=2,
                                    rank_group=[0, 1], capacity=[12.0, 7.0])
     assert part.boundaries == ((0, 5), (5, 12))
+
+
+def test_gpt3_175b_split_across_a100_and_h100_beats_either_group_alone():
+    """Issue 15 acceptance: a heterogeneous pipeline plan for GPT-3 175B on 16 A100 + 16 H100 nodes is predicted
+    faster than the best plan on either group alone (planner only; the same numbers benchmarks/hetero.py prints)."""
+    from dataclasses import replace
+
+    from autopar import ir
+    from autopar.ir.plan import plan_from_yaml, plan_to_yaml
+    from autopar.planner.hetero import best_by_kind
+    from autopar.planner.options import PlanOptions
+    from autopar.zoo import build
+
+    spec = build("gpt3-175b", batch=1, device="meta")
+    graph = ir.trace(spec.model, spec.example_inputs, model_name="gpt3-175b")
+    prof = load_cluster("a100-h100")
+    opts = PlanOptions(global_batch=1536, workers=1, top_k=2)
+    kinds, _ = best_by_kind(graph, prof, opts)
+    split, a100, h100 = kinds["split"][0], kinds["a100"][0], kinds["h100"][0]
+    assert split.samples_per_s > h100.samples_per_s > a100.samples_per_s
+    assert split.samples_per_s < a100.samples_per_s + h100.samples_per_s  # no free lunch: at most the sum
+    assert [g.name for g in split.device_groups] in (["a100", "h100"], ["h100", "a100"])
+    per_rank = split.world_size // split.mesh.pp
+    for g in split.device_groups:  # every group holds whole pipeline ranks, stages within its device's memory
+        assert g.nodes * split.devices_per_node % per_rank == 0
+    for st in split.stages:
+        assert st.memory.total <= prof.group(st.device_group).profile.device.memory_bytes
+    # stage sizes follow device speed: an H100 stage holds more layer groups than an A100 stage
+    size = {g: [s.layer_end - s.layer_start for s in split.stages if s.device_group == g] for g in ("a100", "h100")}
+    assert min(size["h100"]) > max(size["a100"][1:])  # (the first A100 stage also holds the embeddings)
+    assert all(s.device_group == "h100" for s in h100.stages) and h100.device_groups[0].nodes == 16
+    # the plan file records per-stage device groups and reads back; a homogeneous plan's YAML does not name them
+    text = plan_to_yaml(split)
+    assert "device_group: h100" in text
+    assert plan_from_yaml(text) == replace(split, solver=replace(split.solver, wall_s=0.0))
+    plain = replace(a100, device_groups=(), stages=tuple(replace(s, device_group="") for s in a100.stages))
+    assert "device_group" not in plan_to_yaml(plain)
+
+
+def test_plan_device_groups_are_validated():
+    from dataclasses import replace
+
+    from autopar.ir.plan import DeviceGroup, MeshPlan, Plan, StagePlan
+
+    stages = tuple(StagePlan(index=i, layer_start=i, layer_end=i + 1, device_group=g)
+                   for i, g in enumerate(("a", "a", "b", "b")))
+    groups = (DeviceGroup(name="a", device="A", nodes=1), DeviceGroup(name="b", device="B", nodes=1))
+    plan = Plan(model="m", graph_fingerprint="f", num_params=1, cluster="c", nodes=2, devices_per_node=2,
+                global_batch=4, micro_batch=1, num_microbatches=4, mesh=MeshPlan(pp=4), stages=stages,
+                device_groups=groups)
+    with pytest.raises(ValueError, match="stages.1.device_group"):
+        replace(plan, stages=(stages[0], replace(stages[1], device_group="b"), *stages[2:]))
+    with pytest.raises(ValueError, match="nodes in all"):
+        replace(plan, device_groups=groups[:1])
+    with pytest.raises(ValueError, match="no device_groups"):
+        replace(plan, device_groups=())
