@@ -41,6 +41,11 @@ def render_plan(plan: Plan, *, graph: Graph | None = None, width: int | None = N
         head.append(("profile file", f"{plan.cluster_source.path} (sha256 {plan.cluster_source.sha256[:12]})"))
     if plan.pins:
         head.append(("pins", ", ".join(plan.pins)))
+    if plan.device_groups:  # a heterogeneous cluster: which nodes run which stages
+        head.append(("device groups", "; ".join(
+            f"{g.name}: {g.nodes} x {g.device}, stages "
+            f"{','.join(str(s.index) for s in plan.stages if s.device_group == g.name) or 'none'}"
+            for g in plan.device_groups)))
     head.extend(("note", n) for n in plan.notes)
     tables: list[Any] = [table(f"autopar plan: {plan.model} on {plan.nodes} x {plan.devices_per_node} "
                                f"({plan.cluster})", ["", ""], head, header=False)]
@@ -56,10 +61,10 @@ def render_plan(plan: Plan, *, graph: Graph | None = None, width: int | None = N
         mem = sp.memory
         share = f" ({mem.total / mem.capacity:.0%})" if mem.capacity else ""
         rows.append([str(sp.index) if many else "", str(sp.index % m.pp) if plan.virtual_stages > 1 else "",
-                     module_ranges(sp.modules), sp.recompute, fmt_time(sp.fwd_s), fmt_time(sp.bwd_s),
+                     *([sp.device_group] if plan.device_groups else []), module_ranges(sp.modules), sp.recompute, fmt_time(sp.fwd_s), fmt_time(sp.bwd_s),
                      fmt_bytes(mem.params + mem.grads + mem.optimizer), fmt_bytes(mem.activations),
                      fmt_bytes(mem.other) if mem.other else "", fmt_bytes(mem.total) + share])
-    cols = ["stage", ("pp rank", "right"), "layers", "recompute", ("fwd/mb", "right"), ("bwd/mb", "right"),
+    cols = ["stage", ("pp rank", "right"), *(["device"] if plan.device_groups else []), "layers", "recompute", ("fwd/mb", "right"), ("bwd/mb", "right"),
             ("model state", "right"), ("activations", "right"), ("other", "right"), ("total", "right")]
     tables.append(table("stages (memory per device of the stage's pipeline rank)" if many else
                         "the model on each device (one pipeline stage)", cols, rows))
