@@ -359,8 +359,9 @@ def _smallest_fitting_nodes(graph: Graph, profile: ClusterProfile, options: Plan
 
 
 def search(graph: Graph, profile: ClusterProfile, options: PlanOptions,
-           progress: Progress | None = None) -> SearchResult:
-    """Find the fastest plan that fits (see the module docstring)."""
+           progress: Progress | None = None, *, memo: dict | None = None) -> SearchResult:
+    """Find the fastest plan that fits (see the module docstring).  ``memo``, a dict the caller keeps, holds the
+    intra-op tables for searches on other node counts (a table does not depend on the node count)."""
     t0 = time.perf_counter()
     world = profile.nodes * profile.devices_per_node
     _validate_pins(world, options, profile)
@@ -369,7 +370,11 @@ def search(graph: Graph, profile: ClusterProfile, options: PlanOptions,
         raise ValueError(f"pin pp={pp} (x {vs} virtual stages) needs more stages than the {groups} layer groups of "
                          f"{graph.model_name or 'the model'} (a stage holds at least one); pin pp <= {groups // vs}")
     cost = CostModel(profile)
-    tables = _Tables(graph, cost, options)
+    key = (graph.fingerprint, repr(options), repr(replace(profile, nodes=1)))
+    tables = (memo or {}).get(key) or _Tables(graph, cost, options)
+    if memo is not None:
+        memo[key] = tables
+    tables.cost = cost  # each search checks its collectives against its own cluster's size
     with Pool(_Screening(graph, profile, options, tables, ScreenMemo()), options.workers) as pool:
         feasible, count, min_peak = _screen_all(graph, profile, options, tables, progress, pool)
         finalists = _finalists(feasible, options)

@@ -99,7 +99,7 @@ class _Cache:
     def __init__(self, root: Path | None) -> None:
         from autopar.ir.trace_cache import cache_root
 
-        self.root = (root or cache_root()) / "schedule"
+        self.root = Path(root or cache_root()) / "schedule"
         self.code = _planner_digest()
 
     def path(self, key: dict[str, Any]) -> Path:
@@ -122,7 +122,7 @@ class _Cache:
             log.warning("could not cache a curve point in %s: %s", p.parent, e)
 
 
-def _plan_point(graph: Any, profile: Any, job: Job, dtype: str, time_limit: float) -> dict[str, Any]:
+def _plan_point(graph: Any, profile: Any, job: Job, dtype: str, time_limit: float, memo: dict) -> dict[str, Any]:
     from autopar.ir.plan import plan_to_yaml
     from autopar.planner.options import PlanOptions
     from autopar.planner.search import search
@@ -130,7 +130,7 @@ def _plan_point(graph: Any, profile: Any, job: Job, dtype: str, time_limit: floa
     opts = PlanOptions(global_batch=job.global_batch, dtype=dtype, top_k=0,  # type: ignore[arg-type]
                        intra_op_time_limit_s=time_limit)
     try:
-        best = search(graph, profile, opts).best
+        best = search(graph, profile, opts, memo=memo).best
     except ValueError as e:  # no mesh uses every device with this batch, or nothing fits in memory
         return {"samples_per_s": 0.0, "plan": None, "note": " ".join(str(e).split())[:300]}
     return {"samples_per_s": best.samples_per_s, "plan": plan_to_yaml(best), "note": "", "summary": summary(best)}
@@ -157,6 +157,7 @@ def build_curves(jobs: list[Job], pools: list[Pool], *, extra: dict[str, dict[st
     for job in jobs:
         graph = trace(job)
         curves[job.name] = {}
+        memo: dict = {}  # the job's intra-op tables, solved once for all its node counts (search's memo)
         for pool in pools:
             base = pool_profile(pool)
             key0 = {"model": graph.fingerprint, "batch": job.global_batch, "seq": job.seq, "dtype": dtype,
@@ -172,7 +173,7 @@ def build_curves(jobs: list[Job], pools: list[Pool], *, extra: dict[str, dict[st
                 if hit is None:
                     if progress:
                         progress(f"planning {job.name} on {n} x {pool.name}")
-                    hit = _plan_point(graph, pool_profile(pool, n), job, dtype, time_limit)
+                    hit = _plan_point(graph, pool_profile(pool, n), job, dtype, time_limit, memo)
                     cache.put(key, hit)
                     stats["planned"] += 1
                 else:
