@@ -115,18 +115,22 @@ def _progress_printer() -> Any:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from autopar.ir.plan import dump_plan
     from autopar.planner.api import resolve_cluster
+    from autopar.planner.hetero import search_hetero
     from autopar.planner.options import PlanOptions, parse_pins
     from autopar.planner.profile_ref import with_source
     from autopar.planner.report import alternatives_table, render_plan
     from autopar.planner.search import search
+    from autopar.profiles.hetero import HeteroProfile, load_cluster
 
-    profile = resolve_cluster(args.cluster, args.nodes)
+    # a heterogeneous profile (node groups of several device types) plans pipelines across them, or one group alone
+    profile = load_cluster(args.cluster, args.nodes) if args.cluster else resolve_cluster(args.cluster, args.nodes)
     workers = {} if args.workers is None else {"workers": args.workers}
     opts = PlanOptions(global_batch=args.global_batch, pins=parse_pins(args.pin), dtype=args.dtype,
                        top_k=args.top_k, intra_op_time_limit_s=args.time_limit, seed=args.seed,
                        fused_kernels=not args.no_fused_kernels, **workers)
     graph = _trace(args.model, args.seq, cache=not args.no_cache)  # after every argument is checked
-    result = search(graph, profile, opts, progress=None if args.quiet else _progress_printer())
+    run = search_hetero if isinstance(profile, HeteroProfile) else search
+    result = run(graph, profile, opts, progress=None if args.quiet else _progress_printer())
     best = with_source(result.best, args.cluster)
     print(render_plan(best, graph=graph), end="")
     alternatives = alternatives_table(best, result.alternatives)
