@@ -154,16 +154,25 @@ def activation_bytes(act_bytes: Mapping[str, float], recompute: Recompute, *, sc
 
 def memory_breakdown(*, param_elems: float, zero: int, dp: int, mixed_precision: bool, activations: float,
                      capacity: float, optimizer: Optimizer = "adam", largest_layer_elems: float = 0.0,
-                     reserve: MemoryReserve | None = None, reduce_bytes: int = 4) -> MemoryBreakdown:
+                     reserve: MemoryReserve | None = None, reduce_bytes: int = 4, expert_elems: float = 0.0,
+                     ep: int = 1) -> MemoryBreakdown:
     """Assemble one device's peak memory: model state, activations (from :func:`activation_bytes`), and "other"
     = ZeRO-3 transient + fixed reserve + fragmentation of the dynamic part.  ``largest_layer_elems``: the largest
     unit gathered at once (a layer group for FSDP2, a tensor for per-tensor gathers); ``reduce_bytes``: bytes per
-    element of the gradient reduction."""
+    element of the gradient reduction.  ``expert_elems``: the part of ``param_elems`` that is this rank's shard of
+    routed experts under expert parallelism ``ep``; ZeRO shards their state over the ``dp / ep`` ranks holding the
+    same experts (:mod:`autopar.planner.inter_op.expert`)."""
     if activations < 0 or capacity < 0:
         raise ValueError(f"activations and capacity must be >= 0, got {activations}, {capacity}")
+    if not 0 <= expert_elems <= param_elems + 1e-6 or ep < 1 or dp % ep:
+        raise ValueError(f"expert_elems must be within param_elems and ep divide dp, got {expert_elems}, ep={ep}")
     res = reserve or MemoryReserve()
-    params, grads, opt = model_state_bytes(param_elems, zero=zero, dp=dp, mixed_precision=mixed_precision,
-                                           optimizer=optimizer)
+    params, grads, opt = model_state_bytes(param_elems - expert_elems, zero=zero, dp=dp,
+                                           mixed_precision=mixed_precision, optimizer=optimizer)
+    if expert_elems:
+        ep_, eg, eo = model_state_bytes(expert_elems, zero=zero, dp=dp // ep, mixed_precision=mixed_precision,
+                                        optimizer=optimizer)
+        params, grads, opt = params + ep_, grads + eg, opt + eo
     transient = zero3_transient_bytes(largest_layer_elems, zero=zero, dp=dp, mixed_precision=mixed_precision,
                                       reduce_bytes=reduce_bytes)
     other = transient + res.fixed_bytes + res.fragmentation * (activations + transient)
