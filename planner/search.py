@@ -22,6 +22,7 @@ from autopar.ir.graph import Graph
 from autopar.ir.passes.pipeline import PassOptions, default_pipeline, run_passes
 from autopar.ir.plan import Plan
 from autopar.planner.inter_op import Candidate, LayerTable, Screened, build_plan, divisors, layer_table, screen
+from autopar.planner.inter_op.context import cp_choices, cp_table
 from autopar.planner.inter_op.screen import ScreenMemo, param_floor
 from autopar.planner.intra_op import IntraOpOptions, solve_graph
 from autopar.planner.intra_op.coster import gradient_values
@@ -139,6 +140,7 @@ class _Tables:
         self.trace_batch = graph.batch
         self._cache: dict[tuple[int, int, bool], LayerTable] = {}
         self._floor: dict[int, float] = {}
+        self._cp: dict[tuple[int, int], tuple[LayerTable, LayerTable]] = {}
         self.opts = IntraOpOptions(time_limit_s=options.intra_op_time_limit_s, workers=CPSAT_WORKERS,
                                    seed=options.seed)
         self.lean_opts = replace(self.opts, param_byte_price_s=LEAN_PRICE_S_PER_BYTE,
@@ -189,6 +191,20 @@ class _Tables:
             self._floor[tp] = param_floor(self.graph, tp)
         return not self._floor[tp] >= sum(fast.params) * _LEANER
 
+    def with_cp(self, table: LayerTable, cp: int) -> LayerTable:
+        """``table`` for a rank of a cp group (:func:`autopar.planner.inter_op.context.cp_table`), memoized."""
+        if cp == 1:
+            return table
+        key = (id(table), cp)
+        got = self._cp.get(key)
+        if got is None or got[0] is not table:  # hold the table, so its id cannot be reused while memoized
+            got = self._cp[key] = (table, cp_table(self.graph, table, self.cost, cp, self.options.dtype))
+        return got[1]
+
+    def for_candidate(self, c: Candidate) -> LayerTable | None:
+        table = self.get(c.tp, c.micro_batch, c.lean)
+        return None if table is None else self.with_cp(table, c.cp)
+
     def solved(self, key: tuple[int, int, bool]) -> bool:
         return key in self._cache
 
@@ -225,38 +241,46 @@ class _Screening:
     memo: ScreenMemo
 
 
-def _units(s: _Screening) -> tuple[list[tuple[int, int]], list[tuple[int, int, bool]]]:
-    """The ``(tp, pp)`` pairs to screen, in screening order, and the intra-op tables they read."""
+def _cp_choices(s: _Screening, tp: int) -> list[int]:
+    world = s.profile.nodes * s.profile.devices_per_node
+    pin = _pin(s.options, "cp")
+    return cp_choices(s.graph, s.tables.cost, world // tp, tp, s.options.dtype, None if pin is None else int(pin))
+
+
+def _units(s: _Screening) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, bool]]]:
+    """The ``(tp, pp, cp)`` triples to screen, in screening order, and the intra-op tables they read."""
     world = s.profile.nodes * s.profile.devices_per_node
     units, keys = [], []
     for tp in _tp_choices(world, s.profile.devices_per_node, s.options):
-        for pp in _pp_choices(world // tp, len(s.graph.layers), s.options):
-            units.append((tp, pp))
-            dp = world // (tp * pp)
-            if ((pd := _pin(s.options, "dp")) is not None and dp != pd) or s.options.global_batch % dp:
-                continue
-            for mb in _mb_choices(s.options.global_batch // dp, s.tables.trace_batch, s.options):
-                keys += [_Tables.key(tp, mb)] + ([_Tables.key(tp, mb, True)] if tp > 1 else [])
+        for cp in _cp_choices(s, tp):
+            for pp in _pp_choices(world // (tp * cp), len(s.graph.layers), s.options):
+                units.append((tp, pp, cp))
+                dp = world // (tp * pp * cp)
+                if ((pd := _pin(s.options, "dp")) is not None and dp != pd) or s.options.global_batch % dp:
+                    continue
+                for mb in _mb_choices(s.options.global_batch // dp, s.tables.trace_batch, s.options):
+                    keys += [_Tables.key(tp, mb)] + ([_Tables.key(tp, mb, True)] if tp > 1 else [])
     return units, keys
 
 
-def _screen_unit(s: _Screening, unit: tuple[int, int]) -> tuple[list[Screened], int, float]:
-    """Screen every candidate with mesh ``tp`` x ``pp``: (those that fit, how many were screened, least peak)."""
-    tp, pp = unit
+def _screen_unit(s: _Screening, unit: tuple[int, int, int]) -> tuple[list[Screened], int, float]:
+    """Screen every candidate with mesh ``tp`` x ``pp`` x ``cp``: (those that fit, how many were screened, least
+    peak)."""
+    tp, pp, cp = unit
     options, tables, cost = s.options, s.tables, s.tables.cost
     world, dpn = s.profile.nodes * s.profile.devices_per_node, s.profile.devices_per_node
     capacity = s.profile.device.memory_bytes
     n_groups = len(s.graph.layers)
     out: list[Screened] = []
     count, min_peak = 0, float("inf")
-    dp = world // (tp * pp)
+    dp = world // (tp * pp * cp)
     if ((pd := _pin(options, "dp")) is not None and dp != pd) or options.global_batch % dp:
         return out, count, min_peak
     per_replica = options.global_batch // dp
     for mb in _mb_choices(per_replica, tables.trace_batch, options):
         m = per_replica // mb
-        variants = tables.variants(tp, mb)
-        p2p_intra = dp * tp * pp <= dpn  # neighbouring stages are dp*tp ranks apart
+        variants = [(lean, tables.with_cp(t, cp)) for lean, t in tables.variants(tp, mb)]
+        p2p_intra = dp * cp * tp * pp <= dpn  # neighbouring stages are dp*cp*tp ranks apart
         for sched, v in _schedules(pp, m, n_groups, options):
             for rc in options.recompute_modes:
                 if (pr := _pin(options, "recompute")) is not None and rc != pr:
@@ -267,7 +291,7 @@ def _screen_unit(s: _Screening, unit: tuple[int, int]) -> tuple[list[Screened], 
                     if zero and dp == 1 and _pin(options, "zero") is None:
                         continue  # ZeRO without data parallelism changes nothing
                     for lean, table in variants:
-                        c = Candidate(pp, dp, tp, mb, m, sched, v, zero, rc, lean)
+                        c = Candidate(pp, dp, tp, mb, m, sched, v, zero, rc, lean, cp)
                         sc = screen(c, table, cost, dtype=options.dtype, capacity=capacity, p2p_intra=p2p_intra,
                                     overlap_grad_sync=options.overlap_grad_sync, memo=s.memo,
                                     reduce_dtype=options.reduce_dtype, dp_collectives=options.dp_collectives)
@@ -284,7 +308,7 @@ def _solve_task(s: _Screening, key: tuple[int, int, bool]) -> LayerTable | None:
     return s.tables.solve(key)
 
 
-def _screen_task(s: _Screening, task: tuple[list[tuple[int, int]], dict[tuple[int, int, bool], LayerTable | None]]
+def _screen_task(s: _Screening, task: tuple[list[tuple[int, int, int]], dict[tuple[int, int, bool], LayerTable | None]]
                  ) -> list[tuple[list[Screened], int, float]]:
     """Screen ``(tp, pp)`` units in a worker, with the tables they read (solved elsewhere, sent along)."""
     units, tables = task
@@ -292,12 +316,12 @@ def _screen_task(s: _Screening, task: tuple[list[tuple[int, int]], dict[tuple[in
     return [_screen_unit(s, u) for u in units]
 
 
-def _screen_tasks(s: _Screening, units: list[tuple[int, int]], keys: list[tuple[int, int, bool]], workers: int
-                  ) -> list[tuple[list[int], tuple[list[tuple[int, int]], dict]]]:
+def _screen_tasks(s: _Screening, units: list[tuple[int, int, int]], keys: list[tuple[int, int, bool]], workers: int
+                  ) -> list[tuple[list[int], tuple[list[tuple[int, int, int]], dict]]]:
     """Units grouped by tp (each group's tables travel once, without the per-group solutions screening does not
     read), a tp's units dealt round-robin into several tasks when there are fewer tps than workers; with the
     indices of their units."""
-    tps = list(dict.fromkeys(tp for tp, _ in units))
+    tps = list(dict.fromkeys(u[0] for u in units))
     split = -(-workers // len(tps))
     out = []
     for tp in tps:
@@ -325,7 +349,7 @@ def _screen_all(graph: Graph, profile: ClusterProfile, options: PlanOptions, tab
                 done[i] = r
     out: list[Screened] = []
     count, min_peak = 0, float("inf")
-    tps = list(dict.fromkeys(tp for tp, _ in units))
+    tps = list(dict.fromkeys(u[0] for u in units))
     for i, unit in enumerate(units):
         found, n, peak = done[i] if done is not None else _screen_unit(s, unit)
         out += found
@@ -359,9 +383,8 @@ def _smallest_fitting_nodes(graph: Graph, profile: ClusterProfile, options: Plan
 
 
 def search(graph: Graph, profile: ClusterProfile, options: PlanOptions,
-           progress: Progress | None = None, *, memo: dict | None = None) -> SearchResult:
-    """Find the fastest plan that fits (see the module docstring).  ``memo``, a dict the caller keeps, holds the
-    intra-op tables for searches on other node counts (a table does not depend on the node count)."""
+           progress: Progress | None = None) -> SearchResult:
+    """Find the fastest plan that fits (see the module docstring)."""
     t0 = time.perf_counter()
     world = profile.nodes * profile.devices_per_node
     _validate_pins(world, options, profile)
@@ -370,16 +393,12 @@ def search(graph: Graph, profile: ClusterProfile, options: PlanOptions,
         raise ValueError(f"pin pp={pp} (x {vs} virtual stages) needs more stages than the {groups} layer groups of "
                          f"{graph.model_name or 'the model'} (a stage holds at least one); pin pp <= {groups // vs}")
     cost = CostModel(profile)
-    key = (graph.fingerprint, repr(options), repr(replace(profile, nodes=1)))
-    tables = (memo or {}).get(key) or _Tables(graph, cost, options)
-    if memo is not None:
-        memo[key] = tables
-    tables.cost = cost  # each search checks its collectives against its own cluster's size
+    tables = _Tables(graph, cost, options)
     with Pool(_Screening(graph, profile, options, tables, ScreenMemo()), options.workers) as pool:
         feasible, count, min_peak = _screen_all(graph, profile, options, tables, progress, pool)
         finalists = _finalists(feasible, options)
         # the exact evaluations run on the workers when they are up (each takes its table along)
-        args = [(f, tables.get(f.cand.tp, f.cand.micro_batch, f.cand.lean)) for f in finalists]
+        args = [(f, tables.for_candidate(f.cand)) for f in finalists]
         built = pool.map(_build_task, args) if pool.started else [_build_task(pool.state, a) for a in args]
     if not feasible:
         if count == 0:

@@ -94,7 +94,7 @@ def make_plan(graph: ir.Graph, *, pp: int = 1, dp: int = 1, tp: int = 1, zero: i
 
 
 def planned(graph: ir.Graph, mesh: dict[str, int], global_batch: int) -> ir.Plan:
-    """The planner's float32 plan for ``graph`` under ``mesh`` (pins dp/tp/pp, optionally micro_batch) on as many
+    """The planner's float32 plan for ``graph`` under ``mesh`` (pins dp/tp/pp, optionally cp, micro_batch) on as many
     A100-profile devices as the mesh has ranks."""
     import dataclasses
 
@@ -102,7 +102,7 @@ def planned(graph: ir.Graph, mesh: dict[str, int], global_batch: int) -> ir.Plan
     from autopar.planner.search import search
     from autopar.profiles.builtin import load_builtin
 
-    world = mesh["dp"] * mesh["tp"] * mesh["pp"]
+    world = mesh["dp"] * mesh["tp"] * mesh["pp"] * mesh.get("cp", 1)
     prof = dataclasses.replace(load_builtin("dgx-a100-80gb", nodes=1), devices_per_node=world)
     opts = PlanOptions(global_batch=global_batch, pins=dict(mesh), dtype="float32", workers=1, top_k=0)
     return search(graph, prof, opts).best

@@ -38,6 +38,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from autopar import ir
 from autopar.codegen.kernels.fx_rewrite import fuse_graph_module
+from autopar.codegen.runtime import context_parallel as cpm
 from autopar.codegen.runtime import data_parallel as dpm
 from autopar.codegen.runtime.batchnorm import sync_batch_norms
 from autopar.codegen.runtime.init import Initializer, alias_names, meta_clone
@@ -83,7 +84,7 @@ class ParallelProgram:
                  loss_fn: Loss, device: torch.device, chunks: dict[str, int], aliases: dict[str, list[str]],
                  tie_groups: dict[str, dist.ProcessGroup], non_persistent: frozenset[str] = frozenset(),
                  keywords: tuple[str, ...] = (), n_inputs: int | None = None,
-                 examples: list[tuple[Any, Any]] | None = None) -> None:
+                 examples: list[tuple[Any, Any]] | None = None, cp: cpm.CpRuntime | None = None) -> None:
         self.plan = plan
         self._keywords = keywords  # keyword inputs, in the order the model was captured with
         self._n_inputs = n_inputs
@@ -99,7 +100,8 @@ class ParallelProgram:
         self._canon = {a: c for c, names in aliases.items() for a in names}
         self._tie_groups = tie_groups
         self._non_persistent = non_persistent
-        self._fsdp = plan.zero >= 1 and plan.mesh.dp > 1
+        self._cp: cpm.CpRuntime | None = cp
+        self._fsdp = plan.zero >= 1 and plan.mesh.dp * plan.mesh.cp > 1
         self.schedule = None
         if plan.mesh.pp > 1:
             self.schedule = build_schedule(plan, list(stages), stage_indices, mesh["pp"].get_group(), device,
@@ -171,11 +173,15 @@ class ParallelProgram:
         if self._n_inputs is not None and len(ins) != self._n_inputs:
             raise ValueError(f"the model was captured with {self._n_inputs} tensor input(s), got {len(ins)}")
         ins = tuple(self._dp_slice(x) for x in ins)
+        if self._cp is not None:  # this rank's two sequence chunks (context parallelism)
+            ins = tuple(self._cp.slice(x) for x in ins)
         if targets is None:
             if self.loss_fn is not _model_loss:
                 raise ValueError("step() needs targets for the program's loss_fn")
             targets = torch.zeros(ins[0].shape[0] * self.plan.mesh.dp, dtype=torch.long)  # only sliced, never read
         tgt = self._dp_slice(targets)
+        if self._cp is not None and self.loss_fn is not _model_loss:
+            tgt = self._cp.slice(tgt)
         # Plain tensors created inside the model (torch.arange positions...) meet DTensors in forward *and* backward.
         ctx = implicit_replication() if self.plan.mesh.tp > 1 else contextlib.nullcontext()
         with ctx, self._autocast():
@@ -249,8 +255,9 @@ class ParallelProgram:
         params = list(self.parameters())
         if not self._fsdp:
             dpm.fix_grad_placements(params)
-            if self.plan.mesh.dp > 1:
-                dpm.allreduce_grads(params, self.mesh["dp"].get_group(), average=True)
+            if self.plan.mesh.dp * self.plan.mesh.cp > 1:  # cp ranks hold the same parameters, too
+                group = self.mesh["dp"] if self._cp is None else self._cp.grad_mesh
+                dpm.allreduce_grads(params, group.get_group(), average=True)
         named = dict(self.named_parameters())
         for fqn, group in self._tie_groups.items():
             if fqn in named:
@@ -260,7 +267,7 @@ class ParallelProgram:
         mine = loss if (self.is_last_stage and self.coords.tp == 0) else torch.zeros_like(loss)
         buf = mine.reshape(1).clone()
         dist.all_reduce(buf)
-        return float(buf.item()) / self.plan.mesh.dp
+        return float(buf.item()) / (self.plan.mesh.dp * self.plan.mesh.cp)
 
 
 def build_program(plan: ir.Plan, model: Any, *, loss_fn: Loss | None = None,
@@ -315,7 +322,9 @@ def build_program(plan: ir.Plan, model: Any, *, loss_fn: Loss | None = None,
     indices = local_stage_indices(plan, pp_rank)
     tp_mesh = mesh["tp"] if plan.mesh.tp > 1 else None
     canon = {a: c for c, names in aliases.items() for a in names}
-    stages, group_lists, chunks = _make_stages(plan, graph, split, indices, tp_mesh, aliases)
+    cpm.check_supported(plan, graph)
+    cpr = cpm.CpRuntime(plan, mesh) if plan.mesh.cp > 1 else None
+    stages, group_lists, chunks = _make_stages(plan, graph, split, indices, tp_mesh, aliases, cpr)
     chunks = {canon.get(k, k): v for k, v in chunks.items()}
     if sync_batchnorm and plan.mesh.dp > 1:
         for gl in group_lists:
@@ -323,19 +332,20 @@ def build_program(plan: ir.Plan, model: Any, *, loss_fn: Loss | None = None,
                 sync_batch_norms(g, mesh["dp"].get_group())
     if tp_mesh is not None:
         _distribute_params(stages, tp_mesh, plan, canon)
-    fsdp = plan.zero >= 1 and plan.mesh.dp > 1
-    if fsdp:
-        dpm.apply_fsdp(list(stages), group_lists, mesh["dp"], plan.zero,
+    fsdp = plan.zero >= 1 and plan.mesh.dp * plan.mesh.cp > 1
+    if fsdp:  # with cp, parameters are sharded over dp x cp (all hold the same parameters)
+        dpm.apply_fsdp(list(stages), group_lists, mesh["dp"] if cpr is None else cpr.grad_mesh, plan.zero,
                        policy=dpm.mp_policy(plan.dtype, plan.reduce_dtype))
     for s in stages:
         _to_empty_keep_ties(s, dev)
-    load_weights(stages, model, init, seed, canon, chunks, plan, fsdp, dp_rank, tp_rank, split.constants)
+    load_weights(stages, model, init, seed, canon, chunks, plan, fsdp, dp_rank if cpr is None else cpr.grad_rank,
+                 tp_rank, split.constants)
     log.info("rank %d: stages %s, %d local parameter tensors", dist.get_rank(), indices,
              sum(1 for s in stages for _ in s.parameters()))
     return ParallelProgram(plan=plan, mesh=mesh, stages=stages, stage_indices=indices, loss_fn=loss_fn or _model_loss,
                            device=dev, chunks=chunks, aliases=aliases, tie_groups=tie_groups,
                            non_persistent=frozenset(canon.get(f, f) for f in _non_persistent(meta)),
-                           keywords=tuple(inputs[1]), n_inputs=len(split.model_inputs),
+                           keywords=tuple(inputs[1]), n_inputs=len(split.model_inputs), cp=cpr,
                            examples=[(split.boundary_examples(plan.stages[i].layer_start, dev),
                                       split.boundary_examples(plan.stages[i].layer_end, dev)) for i in indices])
 
@@ -351,7 +361,8 @@ def _non_persistent(model: nn.Module) -> Iterator[str]:
 
 
 def _make_stages(plan: ir.Plan, graph: ir.Graph, split: SplitModel, indices: list[int], tp_mesh: DeviceMesh | None,
-                 aliases: dict[str, list[str]]) -> tuple[list[StageModule], list[list[nn.Module]], dict[str, int]]:
+                 aliases: dict[str, list[str]], cpr: cpm.CpRuntime | None = None
+                 ) -> tuple[list[StageModule], list[list[nn.Module]], dict[str, int]]:
     ops = expand_op_shardings(plan, graph) if tp_mesh is not None else {}
     canon = {a: c for c, names in aliases.items() for a in names}
 
@@ -369,6 +380,8 @@ def _make_stages(plan: ir.Plan, graph: ir.Graph, split: SplitModel, indices: lis
         for g in groups:
             chunks.update(rewrite_group(g, graph, plan, tp_mesh, ops, selective_recompute=st.recompute == "selective",
                                         placement_of=placement_of))
+            if cpr is not None:
+                cpm.rewrite_group_cp(g, cpr.ctx, cpr.positions)
         wrap_in = (lambda x, m=tp_mesh: to_dtensor(x, m)) if tp_mesh is not None else None
         wrap_out = to_local_replicated if tp_mesh is not None else None
         stages.append(StageModule(groups, [split.specs[g] for g in ids], split.live_at(st.layer_start),

@@ -147,7 +147,7 @@ def load_weights(stages: list[nn.Module], model: nn.Module, init: Any, seed: int
             fqn = canon.get(strip_group(name), strip_group(name))
             slots.setdefault(fqn, {})[id(t)] = LocalSlot(
                 t, chunks=chunks.get(fqn, 1), tp=plan.mesh.tp, fsdp=fsdp and isinstance(t, nn.Parameter),
-                dp_rank=dp_rank, dp=plan.mesh.dp)
+                dp_rank=dp_rank, dp=plan.mesh.dp * plan.mesh.cp)  # FSDP shards over dp x cp
     filled: set[int] = set()
 
     def consume(fqn: str, full: torch.Tensor, buffers_only: bool = False) -> None:

@@ -1,6 +1,6 @@
 """Screening for the outer search: layer tables and the closed-form cost of a candidate.
 
-A *candidate* fixes the mesh ``(pp, dp, tp)``, the micro-batch size and count, the schedule (and virtual stages), the
+A candidate fixes the mesh ``(pp, dp, cp, tp)``, the micro-batch size and count, the schedule (and virtual stages), the
 ZeRO level and a recompute mode.  The intra-op solver gives, for one ``(tp, micro_batch)`` pair, every layer group's
 forward/backward time (tp communication included), saved activation bytes under each recompute mode and parameter
 elements per device: a :class:`LayerTable`.  Screening then costs a candidate in microseconds with closed forms:
@@ -205,6 +205,13 @@ class Candidate:
     recompute: str
     lean: bool = False
     """Use the memory-lean intra-op sharding (parameter memory priced) instead of the fastest one."""
+    cp: int = 1
+    """Context-parallel degree (:mod:`autopar.planner.inter_op.context`); its table is the cp-scaled one."""
+
+    @property
+    def grad_dp(self) -> int:
+        """Ranks holding the same parameters: the group of the gradient reduction and of ZeRO sharding (dp x cp)."""
+        return self.dp * self.cp
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,7 +342,7 @@ def screen(cand: Candidate, table: LayerTable, cost: CostModel, *, dtype: str, c
     flights = in_flight(cand.schedule, pp, m, v)
     reserve = reserve_for(cost)
     full = cand.recompute == "full"
-    dp, tp, zero = cand.dp, cand.tp, cand.zero
+    dp, tp, zero = cand.grad_dp, cand.tp, cand.zero  # cp ranks reduce gradients and shard ZeRO state with dp
     bandwidth = cost.profile.device.memory_bandwidth
     # ranks with equal numbers differ only in their in-flight micro-batches: their dp communication is the same, and
     # memory grows with the activations, so the one holding the most micro-batches has the group's peak (float
