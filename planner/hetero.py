@@ -269,9 +269,10 @@ def best_by_kind(graph: Graph, profile: HeteroProfile, options: PlanOptions, pro
     pipelines across groups; and how many candidates were screened."""
     out: dict[str, list[Plan]] = {}
     screened = 0
+    memos: dict[str, dict] = {g.name: {} for g in profile.groups}  # each group's intra-op tables, reused for splits
     for g in profile.groups:
         try:
-            res = search(graph, g.profile, options)
+            res = search(graph, g.profile, options, memo=memos[g.name])
         except PlanInfeasibleError as e:
             log.info("group %s alone: %s", g.name, e)
             continue
@@ -279,7 +280,8 @@ def best_by_kind(graph: Graph, profile: HeteroProfile, options: PlanOptions, pro
         out[g.name] = [tag_group(p, g, profile.name) for p in (res.best, *res.alternatives)]
         if progress:
             progress(f"group {g.name} alone: {res.best.samples_per_s:.4g} samples/s", 0.5)
-    tables = {g.name: _Tables(graph, CostModel(g.profile), options) for g in profile.groups}
+    tables = {g.name: next(iter(memos[g.name].values()), None) or _Tables(graph, CostModel(g.profile), options)
+              for g in profile.groups}
     memo: dict = {}
     found = []
     for cand, split in _splits(graph, profile, options, tables):

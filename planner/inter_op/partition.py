@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import logging
 import math
+from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
@@ -324,11 +325,8 @@ def minmax_partition_hetero(times: Sequence[Sequence[float]], stage_group: Seque
         out, start = [], 0
         for k, g in enumerate(stage_group):
             p, last = pre[g], n - (K - k - 1)
-            end = start + 1
-            while end < last and p[end + 1] - p[start] <= limit:
-                end += 1
-            if k == K - 1:
-                end = n
+            # the furthest end with p[end] - p[start] <= limit, at least start + 1 and at most last
+            end = n if k == K - 1 else max(start + 1, min(last, bisect_right(p, p[start] + limit) - 1))
             out.append((start, end))
             start = end
         ok = all(pre[g][b] - pre[g][a] <= limit or b - a == 1 for g, (a, b) in zip(stage_group, out))
@@ -337,7 +335,7 @@ def minmax_partition_hetero(times: Sequence[Sequence[float]], stage_group: Seque
     lo, hi = 0.0, max(p[n] for p in pre)
     best = fill(hi)
     for _ in range(60):
-        if hi - lo <= 1e-9 * max(hi, 1e-30):
+        if hi - lo <= 1e-6 * max(hi, 1e-30):  # screening: a millionth of the bottleneck is close enough
             break
         mid = (lo + hi) / 2
         got = fill(mid)
