@@ -262,18 +262,22 @@ def _exit_on_signal(signum: int, _frame: Any) -> None:
 def _cmd_replan(args: argparse.Namespace) -> int:
     from autopar.ir.plan import dump_plan, load_plan
     from autopar.planner.options import PlanOptions, parse_pins
+    from autopar.planner.hetero import search_hetero
     from autopar.planner.profile_ref import plan_profile, with_source
     from autopar.planner.report import diff_plans
     from autopar.planner.search import search
+    from autopar.profiles.hetero import HeteroProfile
 
     old = load_plan(args.plan)
-    # every argument is checked before the model is traced (seconds to minutes for a large model)
-    profile = plan_profile(old, plan_path=args.plan, override=args.cluster, nodes=args.nodes or old.nodes)
+    # every argument is checked before the model is traced (seconds to minutes for a large model); a plan on a
+    # heterogeneous cluster re-plans on the whole cluster (its groups fix their nodes)
+    profile = plan_profile(old, plan_path=args.plan, override=args.cluster,
+                           nodes=args.nodes or (None if old.device_groups else old.nodes))
     pins = parse_pins(args.pin) if args.pin else {}
     opts = PlanOptions(global_batch=args.global_batch or old.global_batch, pins=pins, dtype=old.dtype,  # type: ignore
                        fused_kernels=old.fused_kernels)
     graph = _plan_graph(old, args)
-    new = search(graph, profile, opts).best
+    new = (search_hetero if isinstance(profile, HeteroProfile) else search)(graph, profile, opts).best
     source = args.cluster if args.cluster else old.cluster_source.path if old.cluster_source else None
     new = with_source(new, source)
     print(diff_plans(old, new), end="")

@@ -14,8 +14,9 @@ import hashlib
 from pathlib import Path
 
 from autopar.ir.plan import Plan, ProfileSource
-from autopar.profiles.builtin import builtin_names, load_builtin, resolve_profile, with_nodes
-from autopar.profiles.schema import ClusterProfile, load_profile
+from autopar.profiles.builtin import builtin_names, load_builtin, with_nodes
+from autopar.profiles.hetero import BUILTIN_HETERO, HeteroProfile, load_cluster
+from autopar.profiles.schema import ClusterProfile
 
 __all__ = ["file_sha256", "plan_profile", "with_source"]
 
@@ -41,12 +42,13 @@ def with_source(plan: Plan, cluster: str | Path | None) -> Plan:
 
 
 def plan_profile(plan: Plan, *, plan_path: str | Path | None = None, override: str | Path | None = None,
-                 nodes: int | None = None) -> ClusterProfile:
-    """The profile ``plan`` was made on (or ``override``), resized to ``nodes`` if given (see the module docstring).
+                 nodes: int | None = None) -> ClusterProfile | HeteroProfile:
+    """The profile ``plan`` was made on (or ``override``), resized to ``nodes`` if given (see the module docstring);
+    a heterogeneous one (:mod:`autopar.profiles.hetero`) is not resized.
 
     Raises ValueError naming the file and what to pass when it cannot be found or has changed."""
     if override is not None:
-        return resolve_profile(override, nodes)
+        return load_cluster(override, nodes)
     src = plan.cluster_source
     if src is not None:
         places = [Path(src.path)]
@@ -56,8 +58,8 @@ def plan_profile(plan: Plan, *, plan_path: str | Path | None = None, override: s
         for p in places:
             if p.is_file():
                 if file_sha256(p) == src.sha256:
-                    prof = load_profile(p)
-                    return with_nodes(prof, nodes) if nodes else prof
+                    prof = load_cluster(p)
+                    return with_nodes(prof, nodes) if nodes and isinstance(prof, ClusterProfile) else prof
                 changed.append(str(p))
         if changed:
             raise ValueError(f"the plan's cluster profile {changed[0]} has changed since the plan was made (its "
@@ -65,6 +67,8 @@ def plan_profile(plan: Plan, *, plan_path: str | Path | None = None, override: s
                              "it is now, or the file the plan was made with")
         raise ValueError(f"the plan's cluster profile {src.path} ({plan.cluster}) is gone; pass --cluster PROFILE "
                          "(a YAML from `autopar profile`, or a built-in: " + ", ".join(builtin_names()) + ")")
+    if plan.cluster.lower() in BUILTIN_HETERO:
+        return load_cluster(plan.cluster)
     if _is_builtin(plan.cluster):
         return load_builtin(plan.cluster, nodes)
     raise ValueError(f"the plan was made on cluster profile {plan.cluster!r}, which is not built in, and it does not "

@@ -61,10 +61,12 @@ def render_plan(plan: Plan, *, graph: Graph | None = None, width: int | None = N
         mem = sp.memory
         share = f" ({mem.total / mem.capacity:.0%})" if mem.capacity else ""
         rows.append([str(sp.index) if many else "", str(sp.index % m.pp) if plan.virtual_stages > 1 else "",
-                     *([sp.device_group] if plan.device_groups else []), module_ranges(sp.modules), sp.recompute, fmt_time(sp.fwd_s), fmt_time(sp.bwd_s),
+                     *([sp.device_group] if plan.device_groups else []), module_ranges(sp.modules), sp.recompute,
+                     fmt_time(sp.fwd_s), fmt_time(sp.bwd_s),
                      fmt_bytes(mem.params + mem.grads + mem.optimizer), fmt_bytes(mem.activations),
                      fmt_bytes(mem.other) if mem.other else "", fmt_bytes(mem.total) + share])
-    cols = ["stage", ("pp rank", "right"), *(["device"] if plan.device_groups else []), "layers", "recompute", ("fwd/mb", "right"), ("bwd/mb", "right"),
+    cols = ["stage", ("pp rank", "right"), *(["device"] if plan.device_groups else []), "layers", "recompute",
+            ("fwd/mb", "right"), ("bwd/mb", "right"),
             ("model state", "right"), ("activations", "right"), ("other", "right"), ("total", "right")]
     tables.append(table("stages (memory per device of the stage's pipeline rank)" if many else
                         "the model on each device (one pipeline stage)", cols, rows))
@@ -115,20 +117,26 @@ def _alternatives(plan: Plan, graph: Graph, node: str) -> list[str]:
     if not graph.has_node(node):
         return [f"(node {node!r} is not in this model's graph)"]
     try:
-        cost = CostModel(plan_profile(plan, nodes=plan.nodes))
+        prof = plan_profile(plan, nodes=plan.nodes)
     except (ValueError, OSError) as e:
         return [f"(cannot load cluster profile {plan.cluster!r} to cost alternatives: {e})"]
+    # a heterogeneous cluster: costed on each device group the plan's stages run on
+    groups = [(f"on {g.name} ({g.profile.device.name}):", g.profile) for g in getattr(prof, "groups", ())
+              if any(s.device_group == g.name for s in plan.stages)] or [("", prof)]
     tp = plan.mesh.tp
     chosen = next((o.strategy for o in plan.op_shardings if o.node == node), "")
-    rows = strategy_costs(graph, graph.node(node), tp=tp, cost=cost, tp_span=cost.span(tp, 1), dtype=plan.dtype,
-                          micro_batch_scale=plan.micro_batch / graph.batch)
-    rows.sort(key=lambda r: r[1] + r[2] + r[3])
     out = []
-    for st, f, b, ar in rows:
-        mark = "*" if st.name == chosen else " "
-        ins = " ".join(p or "-" for p in st.inputs)
-        extra = f" + grad all-reduce {fmt_time(ar)}" if ar else ""
-        out.append(f"{mark} {st.name:<12} inputs {ins:<16} -> {st.output:<6} compute {fmt_time(f + b)}{extra}")
+    for head, group_profile in groups:
+        cost = CostModel(group_profile)
+        rows = strategy_costs(graph, graph.node(node), tp=tp, cost=cost, tp_span=cost.span(tp, 1), dtype=plan.dtype,
+                              micro_batch_scale=plan.micro_batch / graph.batch)
+        rows.sort(key=lambda r: r[1] + r[2] + r[3])
+        out += [head] if head else []
+        for st, f, b, ar in rows:
+            mark = "*" if st.name == chosen else " "
+            ins = " ".join(p or "-" for p in st.inputs)
+            extra = f" + grad all-reduce {fmt_time(ar)}" if ar else ""
+            out.append(f"{mark} {st.name:<12} inputs {ins:<16} -> {st.output:<6} compute {fmt_time(f + b)}{extra}")
     out.append("(* = chosen; resharding of inputs and outputs depends on the neighbours' choices and is what the "
                "solver traded against compute)")
     return out
