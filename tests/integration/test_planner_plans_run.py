@@ -110,6 +110,19 @@ def _kv_gathered(graph: ir.Graph, plan: ir.Plan) -> ir.Plan:
     return dataclasses.replace(plan, param_shardings=params, op_shardings=tuple(ops))
 
 
+def _hetero_split(graph: ir.Graph) -> ir.Plan:
+    """The best pipeline split across an A100 and an H100 (one device each, issue 15): its stages are tagged with
+    their device types, and it runs here as an ordinary pp=2 plan."""
+    from autopar.planner.hetero import best_by_kind
+    from autopar.profiles.hetero import HeteroProfile, NodeGroup, load_cluster
+
+    h100 = dataclasses.replace(load_builtin("dgx-h100", nodes=1), devices_per_node=1)
+    prof = HeteroProfile(schema_version=1, name="a100-h100", source="test", inter_group=load_cluster(
+        "a100-h100").inter_group, groups=(NodeGroup(name="a100", profile=_profile(1)), NodeGroup(name="h100",
+                                                                                                  profile=h100)))
+    return best_by_kind(graph, prof, PlanOptions(global_batch=BATCH, dtype="float32", top_k=0))[0]["split"][0]
+
+
 PLANNERS: dict[str, tuple[int, Callable[[ir.Graph], ir.Plan]]] = {
     # name: (world size, graph -> plan)
     "tp2-seqpar-selective": (2, lambda g: _plan(g, _seq_parallel(2), tp=2, recompute="selective")),
@@ -118,6 +131,7 @@ PLANNERS: dict[str, tuple[int, Callable[[ir.Graph], ir.Plan]]] = {
                                                                 micro_batch=1)),
     "pp2-interleaved": (2, lambda g: _plan(g, _profile(2), pp=2, schedule="interleaved_1f1b")),
     "dp2-zero3": (2, lambda g: _plan(g, _profile(2), dp=2, zero=3)),
+    "pp2-hetero-split": (2, _hetero_split),
     "pp2-tp2-seqpar-mixed-recompute-mb1": (4, lambda g: _mixed_recompute(g, _seq_parallel(4), pp=2, tp=2,
                                                                           schedule="1f1b", micro_batch=1)),
     "pp2-tp2-seqpar-interleaved": (4, lambda g: _plan(g, _seq_parallel(4), pp=2, tp=2,
@@ -167,6 +181,7 @@ FEATURES: dict[str, Callable[[ir.Plan, ir.Graph], bool]] = {
     "pp2-1f1b-mixed-recompute": lambda p, g: p.mesh.pp == 2 and p.schedule == "1f1b" and _recompute_differs(p),
     "pp2-interleaved": lambda p, g: p.schedule == "interleaved_1f1b" and len(p.stages) == 4,
     "dp2-zero3": lambda p, g: p.mesh.dp == 2 and p.zero == 3,
+    "pp2-hetero-split": lambda p, g: p.mesh.pp == 2 and {s.device_group for s in p.stages} == {"a100", "h100"},
     "pp2-tp2-seqpar-mixed-recompute-mb1": lambda p, g: _sp(p, g) and _recompute_differs(p) and p.micro_batch == 1,
     "pp2-tp2-seqpar-interleaved": lambda p, g: _sp(p, g) and p.schedule == "interleaved_1f1b",
     "dp2-tp2-seqpar-zero3": lambda p, g: _sp(p, g) and p.mesh.dp == 2 and p.zero == 3,
