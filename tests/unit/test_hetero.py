@@ -177,3 +177,31 @@ def test_plan_device_groups_are_validated():
         replace(plan, device_groups=groups[:1])
     with pytest.raises(ValueError, match="no device_groups"):
         replace(plan, device_groups=())
+
+
+def test_show_and_explain_name_the_device_groups():
+    from dataclasses import replace
+
+    from autopar import ir
+    from autopar.planner.hetero import best_by_kind
+    from autopar.planner.options import PlanOptions
+    from autopar.planner.report import explain_node, render_plan
+    from autopar.profiles.hetero import NodeGroup
+    from autopar.zoo import build
+
+    spec = build("gpt-tiny", batch=1, device="meta")
+    graph = ir.trace(spec.model, spec.example_inputs, model_name="gpt-tiny")
+    one = [load_builtin(n, 1) for n in ("dgx-a100-80gb", "dgx-h100")]
+    one = [replace(p, devices_per_node=1) for p in one]
+    prof = HeteroProfile(schema_version=1, name="a100-h100", source="test", inter_group=load_cluster(
+        "a100-h100").inter_group, groups=(NodeGroup(name="a100", profile=one[0]), NodeGroup(name="h100",
+                                                                                             profile=one[1])))
+    split = best_by_kind(graph, prof, PlanOptions(global_batch=8, workers=1, top_k=0))[0]["split"][0]
+    shown = render_plan(split, width=200)
+    assert "device groups" in shown and " device " in shown
+    for st in split.stages:  # each stage's row names its device group
+        assert any(line.split()[:2] == [str(st.index), st.device_group] for line in shown.splitlines())
+    linear = next(n.name for n in graph.nodes if n.op == "linear")
+    # alternatives are listed for tp > 1: the same stages on two devices per node, tp=2
+    text = explain_node(replace(split, devices_per_node=2, mesh=replace(split.mesh, tp=2)), linear, graph=graph)
+    assert "on a100 (NVIDIA A100" in text and "on h100 (NVIDIA H100" in text
