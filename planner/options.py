@@ -54,6 +54,11 @@ class PlanOptions:
     """Overlap the data-parallel gradient sync with the last micro-batch's backward (DDP/FSDP2 bucketing); False
     costs it after the backward, as frameworks without overlap (e.g. Megatron-LM in 2021) ran it."""
 
+    expert_load: tuple[float, ...] = ()
+    """Expected share of routed (token, expert) pairs per expert of a sparse MoE block (E numbers, e.g. measured
+    with ``autopar.zoo.routing_histogram``); empty: uniform.  Expert parallelism waits for its busiest rank, so the
+    imbalance is costed from it (``planner.inter_op.expert``)."""
+
     dp_collectives: Literal["unit", "tensor"] = "unit"
     """How the data-parallel axis issues its collectives.  ``unit``: one all-gather / reduce-scatter per FSDP unit
     (layer group), overlapped with compute: FSDP2, what the generated runtime runs.  ``tensor``: one per parameter
@@ -70,6 +75,8 @@ class PlanOptions:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         for k, v in self.pins.items():
             _check_pin(k, v)
+        if any(not (x >= 0) for x in self.expert_load) or (self.expert_load and sum(self.expert_load) <= 0):
+            raise ValueError("expert_load must be non-negative shares with a positive sum")
         ep, dp = self.pins.get("ep"), self.pins.get("dp")
         if isinstance(ep, int) and isinstance(dp, int) and dp % ep:
             raise ValueError(f"pin ep={ep} must divide pin dp={dp}: experts are sharded over ranks that share data "

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from autopar.ir.graph import Graph
-from autopar.ir.plan import Plan
+from autopar.ir.plan import MeshPlan, Plan
 from autopar.ir.serialize import to_data
 from autopar.planner.tables import fmt_bytes, fmt_sig, fmt_time, module_ranges, render, table
 
@@ -27,7 +27,7 @@ def render_plan(plan: Plan, *, graph: Graph | None = None, width: int | None = N
     """Tables: summary, time breakdown, stages with memory, tensor-parallel shardings (``width``: the terminal's)."""
     del graph  # accepted for callers that have it; everything shown comes from the plan
     m = plan.mesh
-    head = [("mesh", f"pp={m.pp} dp={m.dp} tp={m.tp}  ({plan.world_size} devices)"),
+    head = [("mesh", f"{mesh_text(m)}  ({plan.world_size} devices)"),
             ("batch", (f"global {plan.global_batch} = micro-batch {plan.micro_batch} x {plan.num_microbatches} "
                       f"micro-batches x dp {m.dp}")),
             ("schedule", plan.schedule + (f" (v={plan.virtual_stages})" if plan.virtual_stages > 1 else "")),
@@ -46,6 +46,8 @@ def render_plan(plan: Plan, *, graph: Graph | None = None, width: int | None = N
             f"{g.name}: {g.nodes} x {g.device}, stages "
             f"{','.join(str(s.index) for s in plan.stages if s.device_group == g.name) or 'none'}"
             for g in plan.device_groups)))
+    if m.cp > 1:
+        head.append(("context parallel", cp_text(plan)))
     head.extend(("note", n) for n in plan.notes)
     tables: list[Any] = [table(f"autopar plan: {plan.model} on {plan.nodes} x {plan.devices_per_node} "
                                f"({plan.cluster})", ["", ""], head, header=False)]
@@ -87,6 +89,24 @@ def _comm(comm: str) -> str:
     return ", ".join(c.replace(":", ": ") for c in comm.split(","))
 
 
+def mesh_text(m: MeshPlan) -> str:
+    """``pp=1 dp=8 tp=1``, with ``ep``/``cp`` when they are above 1 (plans without them read as before)."""
+    extra = "".join(f" {k}={v}" for k, v in (("ep", m.ep), ("cp", m.cp)) if v > 1)
+    return f"pp={m.pp} dp={m.dp}{extra} tp={m.tp}"
+
+
+def cp_text(plan: Plan) -> str:
+    """How a cp plan splits attention and which ranks form a cp group (ranks tp apart: the axis between dp and tp)."""
+    m = plan.mesh
+    methods = {c for o in plan.op_shardings for c in o.comm.split("+") if c.startswith("cp_")}
+    how = ("K/V by all-gather (backward: reduce-scatter)" if methods == {"cp_all_gather"} else
+           f"K/V by a ring of {m.cp - 1} p2p steps (backward: {m.cp - 1} for dK/dV)")
+    first = [m.rank(cp=c) for c in range(m.cp)]
+    return (f"cp={m.cp}: the sequence in {2 * m.cp} chunks, cp rank i holding chunks i and {2 * m.cp - 1}-i; {how}; "
+            f"{m.world_size // m.cp} cp groups of ranks {m.tp} apart, e.g. {first}; gradients and ZeRO over dp x cp "
+            f"= {m.dp * m.cp}")
+
+
 def explain_node(plan: Plan, node: str, *, graph: Graph | None = None) -> str:
     """Why a node got its sharding: the chosen strategy, its cost, and (with the graph) the alternatives."""
     found = [o for o in plan.op_shardings if o.node == node]
@@ -102,6 +122,12 @@ def explain_node(plan: Plan, node: str, *, graph: Graph | None = None) -> str:
              f"  consumes inputs as {', '.join(o.inputs) or '-'}, produces {o.output}",
              (f"  compute {fmt_time(o.compute_s)} per micro-batch (fwd+bwd, one device), "
              f"resharding {fmt_time(o.comm_s)}{' via ' + o.comm if o.comm else ''}")]
+    if o.op == "sdpa" and plan.mesh.cp > 1:  # context parallelism: how this attention sees the whole sequence
+        lines.append("  context parallel: " + cp_text(plan))
+    if o.op == "grouped_mm":  # routed experts: where they live and what moving tokens to them costs
+        lines.extend("  " + n for n in plan.notes if n.startswith("expert parallel:"))
+        if plan.mesh.ep == 1:
+            lines.append("  expert parallel: ep=1, every rank holds every expert (no all_to_all)")
     if graph is not None and plan.mesh.tp > 1:
         lines.append("  alternatives (same costs, same tp group):")
         lines.extend("    " + alt for alt in _alternatives(plan, graph, node))
@@ -205,7 +231,7 @@ def decisions(p: Plan) -> dict[str, str]:
     ps = p.stages
     state = max(s.memory.params + s.memory.grads + s.memory.optimizer for s in ps)
     return {
-        "mesh": f"pp={p.mesh.pp} dp={p.mesh.dp} tp={p.mesh.tp}",
+        "mesh": mesh_text(p.mesh),
         "micro-batches": f"{p.micro_batch}x{p.num_microbatches}",
         "schedule": p.schedule + (f"/v{p.virtual_stages}" if p.virtual_stages > 1 else ""),
         "ZeRO": str(p.zero),

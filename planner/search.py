@@ -23,6 +23,7 @@ from autopar.ir.passes.pipeline import PassOptions, default_pipeline, run_passes
 from autopar.ir.plan import Plan
 from autopar.planner.inter_op import Candidate, LayerTable, Screened, build_plan, divisors, layer_table, screen
 from autopar.planner.inter_op.context import cp_choices, cp_table
+from autopar.planner.inter_op.expert import ep_choices, ep_note, ep_table
 from autopar.planner.inter_op.screen import ScreenMemo, param_floor
 from autopar.planner.intra_op import IntraOpOptions, solve_graph
 from autopar.planner.intra_op.coster import gradient_values
@@ -141,6 +142,7 @@ class _Tables:
         self._cache: dict[tuple[int, int, bool], LayerTable] = {}
         self._floor: dict[int, float] = {}
         self._cp: dict[tuple[int, int], tuple[LayerTable, LayerTable]] = {}
+        self._ep: dict[tuple[int, int, int], tuple[LayerTable, LayerTable]] = {}
         self.opts = IntraOpOptions(time_limit_s=options.intra_op_time_limit_s, workers=CPSAT_WORKERS,
                                    seed=options.seed)
         self.lean_opts = replace(self.opts, param_byte_price_s=LEAN_PRICE_S_PER_BYTE,
@@ -201,9 +203,19 @@ class _Tables:
             got = self._cp[key] = (table, cp_table(self.graph, table, self.cost, cp, self.options.dtype))
         return got[1]
 
+    def with_ep(self, table: LayerTable, ep: int, cp: int) -> LayerTable:
+        """``table`` (already cp-scaled) under expert parallelism ``ep``
+        (:func:`autopar.planner.inter_op.expert.ep_table`), memoized; ``table`` itself without routed experts."""
+        key = (id(table), ep, cp)
+        got = self._ep.get(key)
+        if got is None or got[0] is not table:  # hold the table, so its id cannot be reused while memoized
+            got = self._ep[key] = (table, ep_table(table, self.graph, self.cost, ep=ep, cp=cp,
+                                                   dtype=self.options.dtype, load=self.options.expert_load))
+        return got[1]
+
     def for_candidate(self, c: Candidate) -> LayerTable | None:
         table = self.get(c.tp, c.micro_batch, c.lean)
-        return None if table is None else self.with_cp(table, c.cp)
+        return None if table is None else self.with_ep(self.with_cp(table, c.cp), c.ep, c.cp)
 
     def solved(self, key: tuple[int, int, bool]) -> bool:
         return key in self._cache
@@ -277,9 +289,11 @@ def _screen_unit(s: _Screening, unit: tuple[int, int, int]) -> tuple[list[Screen
     if ((pd := _pin(options, "dp")) is not None and dp != pd) or options.global_batch % dp:
         return out, count, min_peak
     per_replica = options.global_batch // dp
+    eps = ep_choices(s.graph, dp, None if (pe := _pin(options, "ep")) is None else int(pe))
     for mb in _mb_choices(per_replica, tables.trace_batch, options):
         m = per_replica // mb
         variants = [(lean, tables.with_cp(t, cp)) for lean, t in tables.variants(tp, mb)]
+        variants = [(lean, ep, tables.with_ep(t, ep, cp)) for lean, t in variants for ep in eps]
         p2p_intra = dp * cp * tp * pp <= dpn  # neighbouring stages are dp*cp*tp ranks apart
         for sched, v in _schedules(pp, m, n_groups, options):
             for rc in options.recompute_modes:
@@ -290,8 +304,8 @@ def _screen_unit(s: _Screening, unit: tuple[int, int, int]) -> tuple[list[Screen
                         continue
                     if zero and dp == 1 and _pin(options, "zero") is None:
                         continue  # ZeRO without data parallelism changes nothing
-                    for lean, table in variants:
-                        c = Candidate(pp, dp, tp, mb, m, sched, v, zero, rc, lean, cp)
+                    for lean, ep, table in variants:
+                        c = Candidate(pp, dp, tp, mb, m, sched, v, zero, rc, lean, cp, ep)
                         sc = screen(c, table, cost, dtype=options.dtype, capacity=capacity, p2p_intra=p2p_intra,
                                     overlap_grad_sync=options.overlap_grad_sync, memo=s.memo,
                                     reduce_dtype=options.reduce_dtype, dp_collectives=options.dp_collectives)
@@ -425,7 +439,7 @@ def search(graph: Graph, profile: ClusterProfile, options: PlanOptions,
     if not plans:
         raise PlanInfeasibleError("every screened plan failed the exact memory check; try more nodes")
     plans.sort(key=lambda p: p.time.total)
-    plans = [_model_notes(p, graph) for p in plans]
+    plans = [_ep_notes(_model_notes(p, graph), graph, cost, options) for p in plans]
     wall = time.perf_counter() - t0
     best = plans[0]
     best = replace(best, solver=replace(best.solver, wall_s=wall, candidates=count))
@@ -462,6 +476,15 @@ def _model_notes(plan: Plan, graph: Graph) -> Plan:
     if plan.num_microbatches > 1:
         notes.append(f"BatchNorm statistics are per micro-batch of {plan.micro_batch} samples")
     return replace(plan, notes=(*plan.notes, *notes)) if notes else plan
+
+
+def _ep_notes(plan: Plan, graph: Graph, cost: CostModel, options: PlanOptions) -> Plan:
+    """Where experts are sharded (ep > 1): the ep groups and what their all_to_all costs, in one line."""
+    if plan.mesh.ep == 1:
+        return plan
+    note = ep_note(graph, cost, mesh=plan.mesh, micro_batch=plan.micro_batch,
+                   num_microbatches=plan.num_microbatches, dtype=options.dtype, load=options.expert_load)
+    return replace(plan, notes=(*plan.notes, note))
 
 
 def _describe(p: Plan) -> str:

@@ -40,6 +40,7 @@ from autopar import ir
 from autopar.codegen.kernels.fx_rewrite import fuse_graph_module
 from autopar.codegen.runtime import context_parallel as cpm
 from autopar.codegen.runtime import data_parallel as dpm
+from autopar.codegen.runtime import expert_parallel as epm
 from autopar.codegen.runtime.batchnorm import sync_batch_norms
 from autopar.codegen.runtime.init import Initializer, alias_names, meta_clone
 from autopar.codegen.runtime.mesh import build_mesh, default_device
@@ -252,7 +253,8 @@ class ParallelProgram:
         return torch.zeros((), device=self.device)
 
     def _sync_grads(self) -> None:
-        params = list(self.parameters())
+        params, experts = epm.split_expert_params(self.parameters())  # ep-sharded experts sync over edp
+        epm.sync_expert_grads(experts)
         if not self._fsdp:
             dpm.fix_grad_placements(params)
             if self.plan.mesh.dp * self.plan.mesh.cp > 1:  # cp ranks hold the same parameters, too
@@ -323,6 +325,7 @@ def build_program(plan: ir.Plan, model: Any, *, loss_fn: Loss | None = None,
     tp_mesh = mesh["tp"] if plan.mesh.tp > 1 else None
     canon = {a: c for c, names in aliases.items() for a in names}
     cpm.check_supported(plan, graph)
+    epm.check_supported(plan)
     cpr = cpm.CpRuntime(plan, mesh) if plan.mesh.cp > 1 else None
     stages, group_lists, chunks = _make_stages(plan, graph, split, indices, tp_mesh, aliases, cpr)
     chunks = {canon.get(k, k): v for k, v in chunks.items()}
@@ -340,6 +343,8 @@ def build_program(plan: ir.Plan, model: Any, *, loss_fn: Loss | None = None,
         _to_empty_keep_ties(s, dev)
     load_weights(stages, model, init, seed, canon, chunks, plan, fsdp, dp_rank if cpr is None else cpr.grad_rank,
                  tp_rank, split.constants)
+    if plan.mesh.ep > 1:
+        epm.ExpertParallel(plan, dev).apply(stages)
     log.info("rank %d: stages %s, %d local parameter tensors", dist.get_rank(), indices,
              sum(1 for s in stages for _ in s.parameters()))
     return ParallelProgram(plan=plan, mesh=mesh, stages=stages, stage_indices=indices, loss_fn=loss_fn or _model_loss,

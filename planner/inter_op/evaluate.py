@@ -29,6 +29,7 @@ from autopar.ir.plan import (
     TimeBreakdown,
 )
 from autopar.planner.inter_op.dpcomm import DpComm
+from autopar.planner.inter_op.expert import rank_expert_elems
 from autopar.planner.inter_op.memory import memory_breakdown, model_state_bytes
 from autopar.planner.inter_op.partition import partition_stages, rank_chunks
 from autopar.planner.inter_op.schedule import ScheduleResult, simulate
@@ -97,7 +98,8 @@ def _rank_memory(table: LayerTable, chunks: Sequence[tuple[int, int]], rc: str, 
     return memory_breakdown(param_elems=_rank_params(table, chunks, n), zero=s.cand.zero, dp=s.cand.grad_dp,
                             mixed_precision=options.dtype != "float32", activations=acts,
                             capacity=cost.profile.device.memory_bytes, largest_layer_elems=largest,
-                            reduce_bytes=DTYPE_BYTES.get(options.reduce_dtype, 4), reserve=reserve_for(cost))
+                            reduce_bytes=DTYPE_BYTES.get(options.reduce_dtype, 4), reserve=reserve_for(cost),
+                            ep=s.cand.ep, expert_elems=rank_expert_elems(table, chunks))
 
 
 def evaluate_stages(table: LayerTable, s: Screened, cost: CostModel, options: PlanOptions,
@@ -171,7 +173,9 @@ def build_plan(graph: Graph, profile: ClusterProfile, options: PlanOptions, s: S
     act_frac = 1 + reserve.fragmentation
     part = partition_stages(
         table.time(c.recompute),
-        [sum(model_state_bytes(p, zero=c.zero, dp=c.grad_dp, mixed_precision=mixed)) for p in table.params],
+        [sum(model_state_bytes(p - e, zero=c.zero, dp=c.grad_dp, mixed_precision=mixed))
+         + sum(model_state_bytes(e, zero=c.zero, dp=c.grad_dp // c.ep, mixed_precision=mixed))
+         for p, e in zip(table.params, getattr(table, "expert_params", ()) or [0.0] * len(table.params))],
         [a * act_frac for a in table.act[c.recompute]], list(table.out_bytes), pp=c.pp,
         capacity=max(profile.device.memory_bytes - reserve.fixed_bytes, 0.0), virtual_stages=c.virtual_stages,
         p2p=lambda nbytes, k: cost.p2p_time(nbytes, intra_node=p2p_intra),
@@ -231,7 +235,7 @@ def assemble_plan(graph: Graph, options: PlanOptions, s: Screened, table: LayerT
         model=graph.model_name, graph_fingerprint=graph.fingerprint, num_params=graph.num_params,
         cluster=cluster, nodes=nodes, devices_per_node=dpn, global_batch=options.global_batch,
         micro_batch=c.micro_batch, num_microbatches=c.num_microbatches,
-        mesh=MeshPlan(pp=c.pp, dp=c.dp, cp=c.cp, tp=c.tp),
+        mesh=MeshPlan(pp=c.pp, dp=c.dp, ep=c.ep, cp=c.cp, tp=c.tp),
         schedule=c.schedule, virtual_stages=c.virtual_stages, zero=c.zero, dtype=options.dtype,  # type: ignore
         reduce_dtype=options.reduce_dtype,
         stages=tuple(stages), param_shardings=param_patterns(graph, table),

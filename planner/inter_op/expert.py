@@ -17,7 +17,7 @@ al. 2022; GShard, Lepikhin et al. 2021), per layer group and micro-batch, on an 
   The gradient reduction of the local expert shard is charged on the dp group with the table's (ep-reduced)
   bytes: slightly pessimistic (the real group, dp/ep ranks, is smaller);
 * communication: each region's dispatch and combine are one ``all_to_all`` each of ``S x h`` elements per rank,
-  forward, and two more backward (their transposes), on the ep group (``ep`` consecutive dp indices: ranks
+  forward (after one of the E per-expert counts), and two more backward (their transposes), on the ep group (``ep`` consecutive dp indices: ranks
   ``cp * tp`` apart), charged with the collective model (``CostModel.collective_time("all_to_all")``) and not
   overlapped (the runtime issues them on the critical path);
 * load imbalance: with expected per-expert load shares ``w_e`` (uniform unless measured, e.g. by
@@ -145,7 +145,8 @@ class EpCost:
     a2a_bytes: float
     """Bytes one rank sends per all_to_all of one region (dispatch; the combine sends the same)."""
     calls: int
-    """all_to_all calls per micro-batch, forward and backward."""
+    """all_to_all calls per micro-batch, forward and backward: per region the counts, dispatch and combine forward,
+    their transposes backward."""
     imbalance: float
 
 
@@ -167,7 +168,9 @@ def ep_cost(graph: Graph, cost: CostModel, *, ep: int, tp: int, cp: int, micro_b
         imb = imbalance(load, r.experts, ep)
         nbytes = r.rows * r.width * item * scale / cp * imb
         a2a = cost.collective_time("all_to_all", nbytes, span=span) if ep > 1 else 0.0
-        f, b = (2 * a2a, 2 * a2a) if ep > 1 else (0.0, 0.0)
+        # the per-expert counts go first (E int64 per rank), so every rank can size what it receives
+        counts = cost.collective_time("all_to_all", 8.0 * r.experts, span=span) if ep > 1 else 0.0
+        f, b = (counts + 2 * a2a, 2 * a2a) if ep > 1 else (0.0, 0.0)
         for flops in (x * scale / cp for x in r.gemms):
             # a grouped matmul is E/ep GEMMs of ep/E of its rows each: costed at that size's efficiency (the intra-op
             # coster charged the whole op's), and the busiest rank's share
@@ -178,7 +181,7 @@ def ep_cost(graph: Graph, cost: CostModel, *, ep: int, tp: int, cp: int, micro_b
         act = 2.0 * nbytes if ep > 1 else 0.0
         old = per_group.get(r.group, (0.0, 0.0, 0.0, 0.0))
         per_group[r.group] = (old[0] + f, old[1] + b, old[2] + saved, old[3] + act)
-        fwd_tot, bwd_tot, calls = fwd_tot + 2 * a2a, bwd_tot + 2 * a2a, calls + (4 if ep > 1 else 0)
+        fwd_tot, bwd_tot, calls = fwd_tot + counts + 2 * a2a, bwd_tot + 2 * a2a, calls + (5 if ep > 1 else 0)
     return per_group, EpCost(a2a_fwd_s=fwd_tot, a2a_bwd_s=bwd_tot, a2a_bytes=nbytes, calls=calls, imbalance=imb)
 
 

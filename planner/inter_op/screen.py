@@ -207,6 +207,8 @@ class Candidate:
     """Use the memory-lean intra-op sharding (parameter memory priced) instead of the fastest one."""
     cp: int = 1
     """Context-parallel degree (:mod:`autopar.planner.inter_op.context`); its table is the cp-scaled one."""
+    ep: int = 1
+    """Expert-parallel degree (divides dp; :mod:`autopar.planner.inter_op.expert`); its table is the ep one."""
 
     @property
     def grad_dp(self) -> int:
@@ -221,6 +223,12 @@ class Screened:
     peak_mem: float
     fits: bool
     chunks: tuple[tuple[int, int], ...]
+
+
+def _expert_elems(table: LayerTable, chunks: list[tuple[int, int]], pp: int, rank: int) -> float:
+    """Local routed-expert elements of pipeline rank ``rank`` (an ep table's ``expert_params``; 0 otherwise)."""
+    ex = getattr(table, "expert_params", ())
+    return float(sum(sum(ex[a:b]) for a, b in rank_chunks(chunks, pp, rank))) if ex else 0.0
 
 
 @lru_cache(maxsize=4096)
@@ -356,7 +364,8 @@ def screen(cand: Candidate, table: LayerTable, cost: CostModel, *, dtype: str, c
                                activations=acts, capacity=capacity,
                                largest_layer_elems=largest_t if dp_collectives == "tensor" else largest,
                                reduce_bytes=DTYPE_BYTES.get(reduce_dtype, 4),
-                               reserve=reserve).total
+                               reserve=reserve, ep=cand.ep,
+                               expert_elems=_expert_elems(table, chunks, pp, group[0])).total
         peak = max(peak, mem)
         comm = dp_time(cost, params=params, units=units, fwd_s=fwd, bwd_s=t - fwd, m=m, dp=dp, tp=tp, zero=zero,
                        dtype=dtype, reduce_dtype=reduce_dtype, overlap=overlap_grad_sync, memo=memo,
