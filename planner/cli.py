@@ -314,7 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plan", help="search the best hybrid-parallel plan")
     pl.add_argument("model", help="built-in model name or 'package.module:factory'")
-    pl.add_argument("--cluster", required=True, help="built-in profile (dgx-a100-80gb, dgx-h100, h200) or a YAML")
+    pl.add_argument("--cluster", required=True,
+                    help="built-in profile (dgx-a100-80gb, dgx-h100, h200; heterogeneous: a100-h100) or a YAML")
     pl.add_argument("--nodes", type=int, default=None, help="number of nodes (default: the profile's)")
     pl.add_argument("--global-batch", type=int, required=True)
     pl.add_argument("--seq", type=int, default=None, help="sequence length (language models)")
