@@ -35,8 +35,11 @@ def add_parser(sub: Any) -> None:
     s.add_argument("-o", "--output", default=None, help="write the new schedule here instead of --schedule")
     s.add_argument("--checkpoint-root", default="checkpoints",
                    help="each job's checkpoints are under ROOT/NAME (for the printed resume commands)")
-    s.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    s.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT seconds per distinct layer solve")
+    s.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                   help="training dtype the jobs are planned in (default bfloat16, or the --schedule's)")
+    s.add_argument("--time-limit", type=float, default=None, help="CP-SAT seconds per distinct layer solve (10)")
+    s.add_argument("--no-fused-kernels", action="store_true",
+                   help="plan to run eagerly: no generated Triton kernels, fused groups costed unfused")
     s.add_argument("-q", "--quiet", action="store_true", help="no planning progress on stderr")
     s.set_defaults(func=cmd_schedule)
 
@@ -82,15 +85,20 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     policy = args.policy or (old.policy if old else "goodput")
     fairness = args.fairness if args.fairness is not None else old.fairness if old else 0.5
     mu = args.migration_cost if args.migration_cost is not None else old.migration_cost if old else 0.1
+    popts = dict(old.plan_options) if old else {}
+    popts = {"dtype": args.dtype or popts.get("dtype", "bfloat16"),
+             "fused_kernels": popts.get("fused_kernels", True) and not args.no_fused_kernels,
+             "time_limit": args.time_limit or popts.get("time_limit", 10.0)}
     share = equal_share_nodes(jobs, pools)
     extra = {j.name: {p.name: [share] + ([current[j.name][1]] if current.get(j.name, ("",))[0] == p.name else [])
                       for p in pools} for j in jobs}
     say = None if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
-    curves, stats = build_curves(jobs, pools, extra=extra, dtype=args.dtype, time_limit=args.time_limit, progress=say)
+    curves, stats = build_curves(jobs, pools, fairness=fairness if policy != "equal" else 0.0, extra=extra, dtype=popts["dtype"], time_limit=popts["time_limit"],
+                                 fused_kernels=popts["fused_kernels"], progress=say)
     problem = build_problem(jobs, pools, curves, current)
     alloc = allocate(problem, policy, fairness=fairness, migration_cost=mu)
     out = Path(args.output or args.schedule)
-    sched = _write(out, jobs, pools, curves, problem, alloc, policy, fairness, mu)
+    sched = _write(out, jobs, pools, curves, problem, alloc, policy, fairness, mu, popts)
     print(_render(sched, problem, policy), end="")
     if old is not None:
         _print_moves(old, sched, pools, out, Path(args.schedule).parent, args.checkpoint_root)
@@ -107,23 +115,27 @@ def _cpu() -> float:
 
 
 def _write(out: Path, jobs: list, pools: list, curves: dict, problem: Any, alloc: dict, policy: str,
-           fairness: float, mu: float) -> Any:
-    from autopar.ir.safe_yaml import write_atomic
+           fairness: float, mu: float, popts: dict) -> Any:
+    from autopar.ir.plan import dump_plan, plan_from_yaml
+    from autopar.planner.cluster.pools import replan_profile
     from autopar.planner.cluster.state import Placed, Schedule, dump_schedule, plan_file
+    from autopar.planner.profile_ref import with_source
 
     dpn = {p.name: p.devices_per_node for p in pools}
+    pools_by = {p.name: p for p in pools}
     placed = []
     for j in jobs:
         c = alloc[j.name]
         pt = next(p for p in curves[j.name][c.pool] if p.nodes == c.nodes)
         path = plan_file(out, j.name, c.pool, pt.plan_nodes)
         path.parent.mkdir(parents=True, exist_ok=True)
-        if pt.plan_yaml:
-            write_atomic(path, pt.plan_yaml)
+        if pt.plan_yaml:  # recording the profile file it was made on, as `autopar plan` does
+            dump_plan(with_source(plan_from_yaml(pt.plan_yaml), replan_profile(pools_by[c.pool])), path)
         placed.append(Placed(job=j, pool=c.pool, nodes=pt.plan_nodes, devices=pt.plan_nodes * dpn[c.pool],
                              plan=str(path.relative_to(out.parent)), summary=pt.summary,
                              samples_per_s=c.samples_per_s, equal_samples_per_s=problem.equal[j.name]))
-    sched = Schedule(pools=tuple(pools), policy=policy, fairness=fairness, migration_cost=mu, placed=tuple(placed))
+    sched = Schedule(pools=tuple(pools), policy=policy, fairness=fairness, migration_cost=mu, placed=tuple(placed),
+                     plan_options=popts)
     dump_schedule(sched, out)
     return sched
 

@@ -18,6 +18,7 @@ import json
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -81,8 +82,10 @@ def _digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
+@lru_cache(maxsize=1)
 def _planner_digest() -> str:
-    """SHA-256 over the planner's and the profiles' source, this subpackage left out (it makes no plan)."""
+    """SHA-256 over the planner's and the profiles' source, this subpackage left out (it makes no plan); taken once
+    per process, when the code that plans was loaded, so files edited later do not re-key this process's points."""
     planner = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
     for root in (planner, planner.parent / "profiles"):
@@ -122,13 +125,14 @@ class _Cache:
             log.warning("could not cache a curve point in %s: %s", p.parent, e)
 
 
-def _plan_point(graph: Any, profile: Any, job: Job, dtype: str, time_limit: float, memo: dict) -> dict[str, Any]:
+def _plan_point(graph: Any, profile: Any, job: Job, dtype: str, time_limit: float, fused: bool,
+                memo: dict) -> dict[str, Any]:
     from autopar.ir.plan import plan_to_yaml
     from autopar.planner.options import PlanOptions
     from autopar.planner.search import search
 
     opts = PlanOptions(global_batch=job.global_batch, dtype=dtype, top_k=0,  # type: ignore[arg-type]
-                       intra_op_time_limit_s=time_limit)
+                       intra_op_time_limit_s=time_limit, fused_kernels=fused)
     try:
         best = search(graph, profile, opts, memo=memo).best
     except ValueError as e:  # no mesh uses every device with this batch, or nothing fits in memory
@@ -143,48 +147,102 @@ def summary(p: Any) -> str:
     return f"{mesh or 'single device'} mb={p.micro_batch}x{p.num_microbatches}{sched} zero={p.zero}"
 
 
-def build_curves(jobs: list[Job], pools: list[Pool], *, extra: dict[str, dict[str, Iterable[int]]] | None = None,
-                 dtype: str = "bfloat16", time_limit: float = 10.0, cache_dir: Path | None = None,
+class _Points:
+    """Plans (or finds in the cache) single curve points; one table memo per job (search's ``memo``)."""
+
+    def __init__(self, cache: _Cache, trace: Callable[[Job], Any], dtype: str, time_limit: float, fused: bool,
+                 progress: Callable[[str], None] | None) -> None:
+        self.cache, self.trace, self.progress = cache, trace, progress
+        self.dtype, self.time_limit, self.fused = dtype, time_limit, fused
+        self.stats = {"planned": 0, "cached": 0}
+        self.graphs: dict[str, Any] = {}
+        self.memos: dict[str, dict] = {}
+        self.raw: dict[tuple[str, str], dict[int, Point]] = {}
+
+    def get(self, job: Job, pool: Pool, n: int) -> Point:
+        from autopar.planner.cluster.pools import pool_profile, profile_hash
+
+        got = self.raw.setdefault((job.name, pool.name), {})
+        if n in got:
+            return got[n]
+        if job.name not in self.graphs:
+            self.graphs[job.name] = self.trace(job)
+        graph = self.graphs[job.name]
+        key = {"model": graph.fingerprint, "batch": job.global_batch, "seq": job.seq, "dtype": self.dtype,
+               "profile": profile_hash(pool_profile(pool)), "time_limit": self.time_limit, "nodes": n}
+        if not self.fused:
+            key["fused_kernels"] = False
+        hit = self.cache.get(key)
+        if hit is None:
+            if self.progress:
+                self.progress(f"planning {job.name} on {n} x {pool.name}")
+            hit = _plan_point(graph, pool_profile(pool, n), job, self.dtype, self.time_limit, self.fused,
+                              self.memos.setdefault(job.name, {}))
+            self.cache.put(key, hit)
+            self.stats["planned"] += 1
+        else:
+            self.stats["cached"] += 1
+        sps = float(hit["samples_per_s"])
+        got[n] = Point(pool.name, n, sps, n, hit["plan"], "" if sps > 0 else str(hit.get("note", "")),
+                       str(hit.get("summary", "")))
+        return got[n]
+
+
+def build_curves(jobs: list[Job], pools: list[Pool], *, fairness: float = 0.0,
+                 extra: dict[str, dict[str, Iterable[int]]] | None = None, dtype: str = "bfloat16",
+                 time_limit: float = 10.0, fused_kernels: bool = True, cache_dir: Path | None = None,
                  trace: Callable[[Job], Any] | None = None,
                  progress: Callable[[str], None] | None = None) -> tuple[Curves, dict[str, int]]:
-    """Plan every job's curve in every pool; returns the cleaned curves and counts of planned / cached points."""
-    from autopar.planner.cluster.pools import pool_profile, profile_hash
+    """Plan every job's curve in every pool; returns the cleaned curves and counts of planned / cached points.
 
-    cache = _Cache(cache_dir)
-    trace = trace or _trace_job
-    stats = {"planned": 0, "cached": 0}
-    curves: Curves = {}
-    for job in jobs:
-        graph = trace(job)
-        curves[job.name] = {}
-        memo: dict = {}  # the job's intra-op tables, solved once for all its node counts (search's memo)
-        for pool in pools:
-            base = pool_profile(pool)
-            key0 = {"model": graph.fingerprint, "batch": job.global_batch, "seq": job.seq, "dtype": dtype,
-                    "profile": profile_hash(base), "time_limit": time_limit}
-            raw: list[Point] = []
-            fed: list[Point] = []  # the feasible points so far
-            for n in counts_to_plan(job, pool, (extra or {}).get(job.name, {}).get(pool.name, ())):
+    Only counts that can matter are planned (besides ``extra``, always planned): first each job's equal share
+    ``s`` in every pool (its equal-share throughput ``E_j`` is their pool-weighted mean), then the counts below ``s``
+    from the top down until one falls under ``fairness * E_j`` (the allocator may not give the job less; the
+    cleaned curve only grows with the count), then the counts above ``s`` up to what the cluster has left when
+    every other job holds its fewest fair nodes, stopping at saturation."""
+    pts = _Points(_Cache(cache_dir), trace or _trace_job, dtype, time_limit, fused_kernels, progress)
+    total = sum(p.nodes for p in pools)
+    share = max(1, total // max(1, len(jobs)))
+    want = {(j.name, p.name): counts_to_plan(j, p, (extra or {}).get(j.name, {}).get(p.name, ())) for j in jobs
+            for p in pools}
+    for j in jobs:
+        for p in pools:
+            for n in (extra or {}).get(j.name, {}).get(p.name, ()):
+                if n in want[j.name, p.name]:
+                    pts.get(j, p, n)
+    fewest: dict[str, int] = {}
+    for j in jobs:
+        mid = {p.name: _clip(j, p, share) for p in pools}
+        e = sum(p.nodes / total * pts.get(j, p, mid[p.name]).samples_per_s for p in pools if mid[p.name])
+        fair = []
+        for p in pools:
+            for n in sorted((n for n in want[j.name, p.name] if n <= mid[p.name]), reverse=True):
+                if pts.get(j, p, n).samples_per_s < fairness * e:
+                    break
+                fair.append(n)
+        # the fewest nodes it may hold (no fair count at all: its smallest, which keeps the bound below safe)
+        fewest[j.name] = min(fair) if fair else min((c[0] for c in want.values() if c), default=1)
+    for j in jobs:
+        room = total - sum(n for k, n in fewest.items() if k != j.name)
+        for p in pools:
+            fed = [q for q in pts.raw.get((j.name, p.name), {}).values() if q.samples_per_s > 0]
+            fed.sort(key=lambda q: q.nodes)
+            for n in (n for n in want[j.name, p.name] if n > (_clip(j, p, share) or 0) and n <= room):
                 if len(fed) >= 2 and fed[-1].nodes >= 2 * fed[-2].nodes and \
                         fed[-1].samples_per_s < SATURATION * fed[-2].samples_per_s:
                     break  # a doubling gained under 2%: saturated (see the module docstring)
-                key = dict(key0, nodes=n)
-                hit = cache.get(key)
-                if hit is None:
-                    if progress:
-                        progress(f"planning {job.name} on {n} x {pool.name}")
-                    hit = _plan_point(graph, pool_profile(pool, n), job, dtype, time_limit, memo)
-                    cache.put(key, hit)
-                    stats["planned"] += 1
-                else:
-                    stats["cached"] += 1
-                sps = float(hit["samples_per_s"])
-                raw.append(Point(pool.name, n, sps, n, hit["plan"], "" if sps > 0 else str(hit.get("note", "")),
-                                 str(hit.get("summary", ""))))
-                if sps > 0:
-                    fed.append(raw[-1])
-            curves[job.name][pool.name] = monotone(raw)
-    return curves, stats
+                q = pts.get(j, p, n)
+                if q.samples_per_s > 0:
+                    fed.append(q)
+    curves: Curves = {j.name: {p.name: monotone(pts.raw.get((j.name, p.name), {}).values()) for p in pools}
+                      for j in jobs}
+    return curves, pts.stats
+
+
+def _clip(job: Job, pool: Pool, n: int) -> int:
+    """``n`` nodes clipped to the job's node range in ``pool`` (0 when the range is empty)."""
+    rng = job.node_range(pool.devices_per_node, pool.nodes)
+    return min(max(n, rng.start), rng.stop - 1) if rng else 0
 
 
 def _trace_job(job: Job) -> Any:

@@ -23,7 +23,8 @@ from autopar.planner.cluster.allocate import Choice, Problem
 from autopar.planner.cluster.curves import Curves, Point
 from autopar.planner.cluster.jobs import Job, Pool
 
-__all__ = ["build_problem", "equal_share_nodes", "first_come_exclusive", "gavel", "value_at", "weighted_total"]
+__all__ = ["build_problem", "equal_share_nodes", "first_come_counts", "first_come_exclusive", "gavel", "value_at",
+           "weighted_total"]
 
 
 def equal_share_nodes(jobs: list[Job], pools: list[Pool]) -> int:
@@ -68,17 +69,26 @@ def weighted_total(problem: Problem, throughput: Mapping[str, float]) -> float:
     return sum(problem.weight.get(j, 1.0) * throughput.get(j, 0.0) / problem.equal[j] for j in problem.choices)
 
 
-def first_come_exclusive(jobs: list[Job], pools: list[Pool], curves: Curves) -> dict[str, Choice]:
+def first_come_counts(jobs: list[Job], pools: list[Pool]) -> dict[str, tuple[str, int]]:
+    """The nodes first-come-exclusive gives each job that gets any: (pool, count); it needs no curve."""
     free = {p.name: p.nodes for p in pools}
-    out: dict[str, Choice] = {}
+    out: dict[str, tuple[str, int]] = {}
     for j in jobs:
         pool = max(pools, key=lambda p: free[p.name])
         rng = j.node_range(pool.devices_per_node, pool.nodes)
         n = min(rng.stop - 1, free[pool.name]) if rng else 0
-        pt = value_at(curves[j.name][pool.name], n) if rng and n >= rng.start else None
-        if pt is not None:
-            out[j.name] = Choice(pool.name, n, pt.samples_per_s)
+        if rng and n >= rng.start:
+            out[j.name] = (pool.name, n)
             free[pool.name] -= n
+    return out
+
+
+def first_come_exclusive(jobs: list[Job], pools: list[Pool], curves: Curves) -> dict[str, Choice]:
+    out: dict[str, Choice] = {}
+    for name, (pool, n) in first_come_counts(jobs, pools).items():
+        pt = value_at(curves[name][pool], n)
+        if pt is not None:
+            out[name] = Choice(pool, n, pt.samples_per_s)
     return out
 
 

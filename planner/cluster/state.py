@@ -9,8 +9,9 @@ with ``autopar run``), the plan in one line, its predicted samples/s, and its eq
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -45,6 +46,8 @@ class Schedule:
     fairness: float
     migration_cost: float
     placed: tuple[Placed, ...]
+    plan_options: dict = field(default_factory=dict)
+    """What the curves were planned with (dtype, fused_kernels, time_limit): arrivals plan with the same."""
 
     def current(self) -> dict[str, tuple[str, int]]:
         return {p.job.name: (p.pool, p.nodes) for p in self.placed}
@@ -62,6 +65,7 @@ def dump_schedule(s: Schedule, path: str | Path) -> Path:
             "cluster": [{"name": p.name, "profile": p.profile, "nodes": p.nodes, "devices_per_node": p.devices_per_node}
                         for p in s.pools],
             "policy": s.policy, "fairness": s.fairness, "migration_cost": s.migration_cost,
+            "plan_options": dict(s.plan_options),
             "jobs": [dict(p.job.to_dict(), pool=p.pool, nodes=p.nodes, devices=p.devices, plan=p.plan,
                           plan_summary=p.summary, samples_per_s=round(p.samples_per_s, 6),
                           equal_share_samples_per_s=round(p.equal_samples_per_s, 6)) for p in s.placed]}
@@ -87,7 +91,8 @@ def load_schedule(path: str | Path) -> Schedule:
                               equal_samples_per_s=float(e["equal_share_samples_per_s"]))
                        for j, e in zip(jobs, entries))
         return Schedule(pools=pools, policy=str(data["policy"]), fairness=float(data["fairness"]),
-                        migration_cost=float(data["migration_cost"]), placed=placed)
+                        migration_cost=float(data["migration_cost"]), placed=placed,
+                        plan_options=_plan_options(data.get("plan_options", {})))
     except (KeyError, TypeError, AttributeError) as e:
         raise SchemaError("", f"{path}: missing or malformed field ({e})", doc="schedule") from None
 
@@ -106,3 +111,9 @@ def move_commands(old: Placed, new: Placed, pool: Pool, old_dir: Path, new_dir: 
            "--steps", steps]
     return [shlex.join(replan), shlex.join(run)]
 
+
+
+def _plan_options(d: Any) -> dict:
+    if not isinstance(d, dict) or set(d) - {"dtype", "fused_kernels", "time_limit"}:
+        raise SchemaError("plan_options", "must map dtype, fused_kernels and time_limit", doc="schedule")
+    return dict(d)

@@ -1,0 +1,107 @@
+"""Shared-cluster scheduling (issue 15): 8 mixed jobs on 64 DGX A100 nodes, and on 32 DGX A100 + 32 DGX H100 nodes.
+
+Every policy and baseline is built from the same curves (each job's real plans at each node count):
+- goodput: ``autopar schedule``'s CP-SAT allocation (weighted, per-job-normalised throughput; fairness 0.5);
+- max-min: the same model, the worst-off job first;
+- equal share: every job on N/J nodes (pool placement chosen by the same model);
+- first-come-exclusive: in file order each job takes the nodes it asks for (its max_devices), later jobs wait;
+- Gavel-style: heterogeneity-aware max-min fairness over fixed-size jobs (Narayanan et al., "Heterogeneity-Aware
+  Cluster Scheduling Policies for Deep Learning Workloads", OSDI 2020): time fractions per device type from an LP.
+
+The figure of merit is the total weighted normalised throughput ``sum_j w_j T_j / E_j`` (``E_j``: the job's
+throughput under an equal share).  Target: goodput >= 1.2x equal share on the mixed set.  Schedule time: CPU
+seconds (this process and the search's workers) beside wall seconds, cold (an empty curve cache: every point
+planned) and warm (the same call again: all points from the cache); target under 60 s for 8 jobs x 64 nodes.
+
+    OMP_NUM_THREADS=1 python benchmarks/schedule.py [--cache DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from autopar.planner.cluster.allocate import allocate
+from autopar.planner.cluster.curves import build_curves
+from autopar.planner.cluster.jobs import parse_jobs, parse_pools
+from autopar.planner.cluster.problem import (
+    build_problem,
+    first_come_counts,
+    first_come_exclusive,
+    gavel,
+    weighted_total,
+)
+
+JOBS = [  # mixed GPT / Llama / MoE / vision (wide ResNet: the zoo's image model) jobs, as users would submit them
+    {"name": "gpt-1.3b", "model": "gpt3-1.3b", "global_batch": 512, "seq": 2048, "max_devices": 128},
+    {"name": "gpt-6.7b", "model": "gpt3-6.7b", "global_batch": 512, "seq": 2048, "max_devices": 256, "weight": 2},
+    {"name": "gpt-13b", "model": "gpt3-13b", "global_batch": 1024, "seq": 2048, "min_devices": 16,
+     "max_devices": 256},
+    {"name": "llama-8b", "model": "llama3-8b", "global_batch": 256, "seq": 4096, "max_devices": 128},
+    {"name": "llama-70b", "model": "llama3-70b", "global_batch": 512, "seq": 4096, "min_devices": 64,
+     "max_devices": 256, "weight": 2},
+    {"name": "moe-8x1b", "model": "moe-8x1b", "global_batch": 256, "max_devices": 128},
+    {"name": "wrn-101", "model": "wrn-101-2", "global_batch": 1024, "max_devices": 64},
+    {"name": "gpt2-xl", "model": "gpt2-xl", "global_batch": 256, "seq": 1024, "max_devices": 64},
+]
+CLUSTERS = {"64 x DGX A100": "dgx-a100-80gb:64", "32 x DGX A100 + 32 x DGX H100": "dgx-a100-80gb:32,dgx-h100:32"}
+TARGET_RATIO, TARGET_S = 1.2, 60.0
+
+
+def _cpu() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def schedule(jobs: list, pools: list, cache: Path) -> tuple[dict, dict, float, float]:
+    c0, w0 = _cpu(), time.perf_counter()
+    # first-come-exclusive's counts need no curve: planned too, so that baseline is judged on real plans
+    extra = {j: {pool: [n]} for j, (pool, n) in first_come_counts(jobs, pools).items()}
+    curves, stats = build_curves(jobs, pools, fairness=0.5, extra=extra, cache_dir=cache)
+    problem = build_problem(jobs, pools, curves)
+    alloc = allocate(problem, "goodput", fairness=0.5)
+    return {"curves": curves, "problem": problem, "goodput": alloc}, stats, _cpu() - c0, time.perf_counter() - w0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cache", default=None, help="curve cache directory (default: a fresh temporary one: cold)")
+    args = ap.parse_args()
+    jobs = parse_jobs(JOBS)
+    cache = Path(args.cache or tempfile.mkdtemp(prefix="autopar-schedule-"))
+    print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; curve cache {cache}")
+    for label, spec in CLUSTERS.items():
+        pools = parse_pools(spec)
+        res, stats, cpu, wall = schedule(jobs, pools, cache)
+        _, stats2, cpu2, wall2 = schedule(jobs, pools, cache)
+        p, curves = res["problem"], res["curves"]
+        tput = {
+            "goodput (autopar schedule)": {j: c.samples_per_s for j, c in res["goodput"].items()},
+            "max-min": {j: c.samples_per_s for j, c in allocate(p, "max-min", fairness=0.5).items()},
+            "equal share": {j: c.samples_per_s for j, c in allocate(p, "equal").items()},
+            "first-come-exclusive": {j: c.samples_per_s
+                                     for j, c in first_come_exclusive(jobs, pools, curves).items()},
+            "Gavel-style (OSDI'20)": gavel(p, pools),
+        }
+        equal = weighted_total(p, tput["equal share"])
+        print(f"\n== {label}: {len(jobs)} jobs, equal share {p.equal_nodes[jobs[0].name]} nodes each")
+        print(f"{'policy':30s} {'weighted total':>14s} {'vs equal':>9s}   per job (x its equal-share throughput)")
+        for name, t in tput.items():
+            per = " ".join(f"{j}={t.get(j, 0.0) / p.equal[j]:.2f}" for j in p.choices)
+            print(f"{name:30s} {weighted_total(p, t):14.2f} {weighted_total(p, t) / equal:8.2f}x   {per}")
+        print("goodput allocation: " + ", ".join(f"{j} {c.nodes}x{c.pool}" for j, c in res["goodput"].items()))
+        ratio = weighted_total(p, tput["goodput (autopar schedule)"]) / equal
+        print(f"goodput / equal share = {ratio:.2f}x (target >= {TARGET_RATIO}x): "
+              f"{'met' if ratio >= TARGET_RATIO else 'NOT met'}")
+        print(f"schedule time cold: {cpu:.1f} CPU-s, {wall:.1f} s wall ({stats['planned']} points planned, "
+              f"{stats['cached']} cached); warm: {cpu2:.1f} CPU-s, {wall2:.1f} s wall ({stats2['cached']} cached); "
+              f"target {TARGET_S:.0f} s: cold {'met' if cpu < TARGET_S else 'NOT met'} (CPU), "
+              f"warm {'met' if cpu2 < TARGET_S else 'NOT met'}")
+    print(f"\nload average at end: {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
