@@ -199,7 +199,9 @@ def _cp_solution(sol: GroupSolution, k: float, fwd: float, bwd: float, held: flo
     # the solution may be shared with an identical block solved first: its op names are that block's
     attn = [o.node for o in new.op_shardings if o.op == "sdpa"]
     chosen = {node: m for node, m in zip(attn, methods)}
-    ops = tuple(replace(o, comm="+".join(x for x in (o.comm, chosen[o.node][0]) if x)) if o.node in chosen else o
+    ops = tuple(replace(o, compute_s=o.compute_s * k, comm_s=o.comm_s * k + chosen[o.node][1] + chosen[o.node][2],
+                        comm="+".join(x for x in (o.comm, chosen[o.node][0]) if x))
+                if o.node in chosen else replace(o, compute_s=o.compute_s * k, comm_s=o.comm_s * k)
                 for o in new.op_shardings)
     colls = list(new.collectives) + [(node, d, m[0], t) for node, m in chosen.items()
                                      for d, t in (("fwd", m[1]), ("bwd", m[2]))]
