@@ -125,9 +125,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     # a heterogeneous profile (node groups of several device types) plans pipelines across them, or one group alone
     profile = load_cluster(args.cluster, args.nodes) if args.cluster else resolve_cluster(args.cluster, args.nodes)
     workers = {} if args.workers is None else {"workers": args.workers}
+    load = tuple(map(float, filter(None, args.expert_load.split(","))))  # MoE routing histogram
     opts = PlanOptions(global_batch=args.global_batch, pins=parse_pins(args.pin), dtype=args.dtype,
                        top_k=args.top_k, intra_op_time_limit_s=args.time_limit, seed=args.seed,
-                       fused_kernels=not args.no_fused_kernels, **workers)
+                       fused_kernels=not args.no_fused_kernels, expert_load=load, **workers)
     graph = _trace(args.model, args.seq, cache=not args.no_cache)  # after every argument is checked
     run = search_hetero if isinstance(profile, HeteroProfile) else search
     result = run(graph, profile, opts, progress=None if args.quiet else _progress_printer())
@@ -321,6 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--seq", type=int, default=None, help="sequence length (language models)")
     pl.add_argument("--pin", action="append", default=[], help="fix a choice, e.g. --pin tp=8 --pin schedule=1f1b")
     pl.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    pl.add_argument("--expert-load", default="", help="MoE: routed-token share per expert, e.g. 0.2,0.1,... (uniform)")
     pl.add_argument("--top-k", type=int, default=3)
     pl.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT seconds per distinct layer solve")
     pl.add_argument("--seed", type=int, default=0)
