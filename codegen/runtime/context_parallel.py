@@ -16,6 +16,11 @@ The planner's method (:mod:`autopar.planner.inter_op.context`) is read from the 
   Under tensor parallelism the attention runs on the local head shards (:class:`HeadSDPA`) and the exchange is per
   tp rank.
 
+Why not ``torch.distributed.tensor.experimental.context_parallel``: in torch 2.13 on gloo/CPU it fails on these
+models (it resizes its buffers in place, so q/k/v that require grad are refused, and the CPU attention kernel
+``aten._scaled_dot_product_flash_attention_for_cpu`` has no sharding strategy), so this small module does the same
+load-balanced split on plain ``torch.distributed``.
+
 Not covered: models captured by ``torch.export`` (shapes are fixed at capture) and pipelines (stage boundaries are
 sized at the full sequence); :func:`check_supported` says so before anything is built.
 """

@@ -129,7 +129,8 @@ def _site_times(site: AttentionSite, cost: CostModel, *, cp: int, tp: int, mb_sc
     att_b = cost.op_time(site.flops_bwd * mb_scale * work / tp / cp, 0.0, dtype, kind, seq)
     intra = cp * tp <= cost.profile.devices_per_node
     step = cost.p2p_time(chunk, intra_node=intra)
-    ring = ((cp - 1) * max(0.0, step - att_f / cp), (cp - 1) * max(0.0, step - att_b / cp))
+    sends_f, sends_b = cp_p2p_count(cp)  # what the runtime issues (checked against it by the parity test)
+    ring = (sends_f * max(0.0, step - att_f / cp), sends_b * max(0.0, step - att_b / cp))
     span = cost.span(cp, tp)
     gather = (cost.collective_time("all_gather", chunk * cp, span=span),
               cost.collective_time("reduce_scatter", chunk * cp, span=span))
