@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn.functional as F
-from torch import nn
 
 from autopar import ir
 from autopar.codegen.runtime.tensor_parallel import _SDPA, HeadSDPA, _swap_node
@@ -191,44 +190,40 @@ class Positions:
         self.n = 0
 
 
-class _LocalArange(nn.Module):
+_CONTEXTS: dict[int, tuple[CpContext, Positions]] = {}
+"""Contexts of this process's cp programs by id, read by :func:`cp_arange` / :func:`cp_narrow` (fx calls
+module-level functions; a plain call keeps the group module's graph free of extra submodules)."""
+
+
+def cp_arange(key: int, *args: Any, **kwargs: Any) -> torch.Tensor:
     """``torch.arange(n)`` over the local sequence length: the local tokens' global positions."""
-
-    def __init__(self, cpc: CpContext, local: Positions) -> None:
-        super().__init__()
-        self.cpc, self.local = cpc, local
-
-    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        dtype = kwargs.get("dtype") or torch.long
-        if len(args) == 1 and args[0] == self.local.n and not dtype.is_floating_point:
-            return self.cpc.positions(self.local.n, device=kwargs.get("device")).to(dtype)
-        return torch.arange(*args, **kwargs)
+    cpc, local = _CONTEXTS[key]
+    dtype = kwargs.get("dtype") or torch.long
+    if len(args) == 1 and args[0] == local.n and not dtype.is_floating_point:
+        return cpc.positions(local.n, device=kwargs.get("device")).to(dtype)
+    return torch.arange(*args, **kwargs)
 
 
-class _LocalNarrow(nn.Module):
+def cp_narrow(key: int, t: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
     """``torch.narrow(table, 0, 0, n)`` over the local sequence length: the table's rows at the global positions."""
-
-    def __init__(self, cpc: CpContext, local: Positions) -> None:
-        super().__init__()
-        self.cpc, self.local = cpc, local
-
-    def forward(self, t: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
-        if dim == 0 and start == 0 and length == self.local.n:
-            return t.index_select(0, self.cpc.positions(length, device=t.device))
-        return torch.narrow(t, dim, start, length)
+    cpc, local = _CONTEXTS[key]
+    if dim == 0 and start == 0 and length == local.n:
+        return t.index_select(0, cpc.positions(length, device=t.device))
+    return torch.narrow(t, dim, start, length)
 
 
 def rewrite_group_cp(gm: fx.GraphModule, cpc: CpContext, local: Positions) -> None:
     """Attention to :class:`CpSDPA`, sequence-length ``arange``/``narrow`` to global positions; in place."""
+    key = id(cpc)
+    _CONTEXTS[key] = (cpc, local)
     for n in list(gm.graph.nodes):
         if n.op == "call_function" and n.target in _SDPA:
             _swap_node(gm, n, CpSDPA(None, cpc), f"_cp_sdpa_{n.name}")
         elif n.op == "call_module" and type(gm.get_submodule(str(n.target))) is HeadSDPA:
             gm.add_submodule(str(n.target), CpSDPA(gm.get_submodule(str(n.target)).mesh, cpc))
-        elif n.op == "call_function" and n.target is torch.arange:
-            _swap_node(gm, n, _LocalArange(cpc, local), f"_cp_arange_{n.name}")
-        elif n.op == "call_function" and n.target is torch.narrow:
-            _swap_node(gm, n, _LocalNarrow(cpc, local), f"_cp_narrow_{n.name}")
+        elif n.op == "call_function" and n.target in (torch.arange, torch.narrow):
+            n.target = cp_arange if n.target is torch.arange else cp_narrow
+            n.args = (key, *n.args)
     gm.recompile()
 
 
