@@ -1,5 +1,5 @@
 """Expert parallelism on CPU ranks (issue 14): ep=2 (2 ranks) and ep=2 x edp=2 (4 ranks, dp=4) train the sparse MoE
-with the losses of one process; a tiny Hugging Face Mixtral trains under ep=2; the all_to_all calls are the ones the
+with the losses and the parameters (expert weights included) of one process; a tiny Hugging Face Mixtral trains under ep=2; the all_to_all calls are the ones the
 cost model charges; a checkpoint saved under ep=2 loads under ep=1 (dp=2) bit for bit."""
 
 from __future__ import annotations
@@ -60,11 +60,16 @@ def _two_ranks(rank: int, root: str) -> dict[str, object]:
         opt.step()
         opt.zero_grad()
     out["zoo"] = losses
+    params = prog.gathered_state_dict()  # the expert weights' updates too, not only the losses
+    out["zoo_params"] = params if rank == 0 else None
     # Hugging Face Mixtral (grouped_mm_fallback experts, torch.export capture) under ep=2
     model, batch = tiny("mixtral")
     hg = ir.trace(model, batch(0), model_name="mixtral")
     hplan = dataclasses.replace(make_plan(hg, dp=2, micro_batch=2), mesh=ir.MeshPlan(dp=2, ep=2))
-    out["hf"] = program_losses(build_program(hplan, model, example_inputs=batch(0), graph=hg), batch, STEPS, LR)
+    hprog = build_program(hplan, model, example_inputs=batch(0), graph=hg)
+    out["hf"] = program_losses(hprog, batch, STEPS, LR)
+    hparams = hprog.gathered_state_dict()
+    out["hf_params"] = hparams if rank == 0 else None
     # checkpoint: Adam under ep=2, saved; loaded under ep=1 (dp=2)
     spec, g, plan = _zoo(2, 2)
     saved = build_program(plan, spec, graph=g)
@@ -88,11 +93,20 @@ def _two_ranks(rank: int, root: str) -> dict[str, object]:
     return out
 
 
-def _four_ranks(rank: int) -> list[float]:
+def _four_ranks(rank: int) -> tuple[list[float], dict[str, torch.Tensor] | None]:
     from autopar.codegen.runtime.program import build_program
 
     spec, g, plan = _zoo(4, 2)
-    return program_losses(build_program(plan, spec, graph=g), _batch, STEPS, LR)
+    prog = build_program(plan, spec, graph=g)
+    losses = program_losses(prog, _batch, STEPS, LR)
+    params = prog.gathered_state_dict()
+    return losses, params if rank == 0 else None
+
+
+def _same_params(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> None:
+    assert set(ref) <= set(got)
+    for k, v in ref.items():
+        torch.testing.assert_close(got[k], v, atol=2e-6, rtol=1e-5, msg=k)
 
 
 def test_expert_parallel_parity_counts_and_checkpoint(tmp_path: os.PathLike[str]) -> None:
@@ -113,8 +127,12 @@ def test_expert_parallel_parity_counts_and_checkpoint(tmp_path: os.PathLike[str]
         assert r["hf"] == pytest.approx(hf_ref, abs=1e-5), (r["hf"], hf_ref)
         assert r["bitwise"] is True
         assert r["next_step"] < 1e-6
-    for losses in four:
+    for losses, _ in four:
         assert losses == pytest.approx(ref, abs=1e-5), (losses, ref)
+    ref_params = {k: p.detach() for k, p in spec.model.named_parameters()}
+    _same_params(two[0]["zoo_params"], ref_params)  # type: ignore[arg-type]
+    _same_params(four[0][1], ref_params)  # type: ignore[arg-type]
+    _same_params(two[0]["hf_params"], {k: p.detach() for k, p in hf_model.named_parameters()})  # type: ignore
     assert ref[-1] < ref[0] - 1e-3  # the runs train
     # what the planner charges for the counted step (one micro-batch of 4 samples at ep=2)
     g = ir.trace(spec.model, spec.example_inputs, model_name=MODEL)
