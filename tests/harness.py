@@ -22,8 +22,8 @@ from torch.distributed.tensor.debug import CommDebugMode
 from autopar import ir
 from autopar.profiles.profiler import free_port
 
-__all__ = ["COLWISE", "ROWWISE", "make_plan", "megatron_shardings", "spawn", "free_port", "parity_worker",
-           "reference_step", "collective_counts"]
+__all__ = ["COLWISE", "ROWWISE", "JobFailed", "collective_counts", "free_port", "make_plan", "megatron_shardings",
+           "parity_worker", "reference_step", "spawn", "spawn_jobs"]
 
 COLWISE = ("qkv", "fc1", "w_gate", "w_up", "wq", "wk", "wv")
 """Linear modules that Megatron-LM shards by output features (S(0) on the weight)."""
@@ -159,6 +159,78 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
         mp.start_processes(_entry, args=(world, free_port(), fn, args, d), nprocs=world, join=True,
                            start_method="spawn")
         return [torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
+class JobFailed(AssertionError):
+    """A job of :func:`spawn_jobs` that raised, or that did not run because an earlier job of its group raised."""
+
+
+class JobResults(dict):
+    """``{job name: [result of rank 0, rank 1, ...]}``; looking up a job that failed or did not run raises
+    :class:`JobFailed` with the rank's traceback, so only the tests that read that job fail, each saying why."""
+
+    def __init__(self, results: dict[str, list[Any]], failed: dict[str, JobFailed]) -> None:
+        super().__init__(results)
+        self.failed = failed
+
+    def __missing__(self, name: str) -> list[Any]:
+        if name in self.failed:
+            raise self.failed[name]
+        raise KeyError(name)
+
+
+def _jobs_entry(rank: int, world: int, port: int, jobs: list[tuple[str, Callable[..., Any], tuple[Any, ...]]],
+                out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    seed = torch.initial_seed()
+    try:
+        for i, (_, fn, args) in enumerate(jobs):
+            torch.manual_seed(seed)  # each job starts from the random state of a fresh process
+            result = fn(rank, *args)
+            dist.barrier()  # every rank finished the job before any result counts
+            torch.save(result, os.path.join(out_dir, f"job{i}-rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # as in _entry: no interpreter teardown
+
+
+def spawn_jobs(world: int, jobs: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]]) -> JobResults:
+    """Run several jobs one after another in ONE group of ``world`` gloo processes (spawning and importing torch
+    costs seconds per rank; a module's multi-process tests share one group this way). Job ``name: (fn, args)`` runs
+    ``fn(rank, *args)`` on every rank, from the same random state as in a fresh process.
+
+    Returns ``{name: [result of each rank]}``. A job that raises ends the group: reading its result, or that of a
+    job after it, raises :class:`JobFailed` naming the job and carrying the rank's traceback; the jobs before it
+    keep their results."""
+    order = list(jobs)
+    if not order:
+        return JobResults({}, {})
+    with tempfile.TemporaryDirectory() as d:
+        error: BaseException | None = None
+        try:
+            mp.start_processes(_jobs_entry, args=(world, free_port(), [(n, *jobs[n]) for n in order], d),
+                               nprocs=world, join=True, start_method="spawn")
+        except Exception as e:  # noqa: BLE001 - any rank failure, reported per job below
+            error = e
+        results: dict[str, list[Any]] = {}
+        failed: dict[str, JobFailed] = {}
+        for i, name in enumerate(order):
+            paths = [os.path.join(d, f"job{i}-rank{r}.pt") for r in range(world)]
+            if not failed and all(os.path.exists(p) for p in paths):
+                results[name] = [torch.load(p, weights_only=False) for p in paths]
+            elif not failed:
+                failed[name] = JobFailed(f"job {name!r} on {world} ranks failed: {error}")
+            else:
+                first = next(iter(failed))
+                failed[name] = JobFailed(f"job {name!r} on {world} ranks did not run: job {first!r} failed before "
+                                         f"it: {error}")
+        return JobResults(results, failed)
 
 
 def collective_counts(cm: CommDebugMode) -> dict[str, int]:

@@ -1,5 +1,7 @@
 """bfloat16 plans compute under autocast with fp32 parameters, gradients and optimizer state (2 gloo ranks); with
-FSDP2 (ZeRO 3) the gathers run in bf16 (MixedPrecisionPolicy from the plan) and the sharded state stays fp32."""
+FSDP2 (ZeRO 3) the gathers run in bf16 (MixedPrecisionPolicy from the plan) and the sharded state stays fp32.
+
+Both tests' runs share one 2-rank group (``runs``)."""
 
 from __future__ import annotations
 
@@ -11,12 +13,17 @@ from autopar import ir
 from autopar.codegen.runtime.program import build_program
 from autopar.zoo import build
 
-from harness import make_plan, spawn
+from harness import JobResults, make_plan, spawn_jobs
 
 pytestmark = pytest.mark.multiprocess  # every test here starts gloo ranks
 
 CASES = [("gpt-tiny", {"dp": 2, "micro_batch": 2}), ("llama-tiny", {"pp": 2, "micro_batch": 2, "num_microbatches": 2}),
          ("gpt-tiny-z3", {"dp": 2, "micro_batch": 2, "zero": 3})]
+
+
+@pytest.fixture(scope="module")
+def runs() -> JobResults:
+    return spawn_jobs(2, {"autocast": (_worker, (CASES,)), "fsdp_holdings": (_fsdp_holdings, ())})
 
 
 def _worker(rank: int, cases: list) -> dict:
@@ -35,8 +42,8 @@ def _worker(rank: int, cases: list) -> dict:
     return out
 
 
-def test_bfloat16_plans_use_autocast_with_fp32_master_state() -> None:
-    res = spawn(_worker, 2, CASES)
+def test_bfloat16_plans_use_autocast_with_fp32_master_state(runs: JobResults) -> None:
+    res = runs["autocast"]
     for name, _ in CASES:
         (l32, l16), dtypes = res[0][name]
         assert l16 != l32, "bf16 autocast had no effect"
@@ -73,10 +80,10 @@ def _fsdp_holdings(rank: int) -> dict:
     return out
 
 
-def test_fsdp2_holds_what_the_memory_model_charges() -> None:
+def test_fsdp2_holds_what_the_memory_model_charges(runs: JobResults) -> None:
     """ZeRO 1/2 (no resharding after forward): the gathered bf16 copy (2 B/param) stays live until the backward, as
     the memory model charges on top of the fp32 shard; ZeRO 3 frees it after each unit's forward."""
-    res = spawn(_fsdp_holdings, 2)[0]
+    res = runs["fsdp_holdings"][0]
     z1, z3 = res[1], res[3]
     assert z1["live_dtypes"] == ["torch.bfloat16"] and z1["live_unsharded_bytes"] == 2 * z1["elems"]
     assert z1["model_params_bytes"] == pytest.approx(4 * z1["elems"] / 2 + 2 * z1["elems"])

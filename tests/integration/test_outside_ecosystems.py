@@ -7,6 +7,8 @@ timm imports torchvision, and the CPU build of torch 2.13 on these machines has 
 cases skip here (with the import error as the reason) and run wherever timm imports.  At real sizes (meta device):
 trace with exact parameter counts and plan on 1 and 8 DGX H100 nodes.  ``torch-convnet``, a plain convolutional
 model, runs the same fx-captured path as timm's (conv and BatchNorm modules, optional arguments) everywhere.
+
+The models' 2-rank runs share one spawned group, and their 4-rank hybrids another (``runs``).
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ from autopar.planner.search import search
 from autopar.profiles.builtin import load_builtin
 
 from ecosystem_models import REAL, TINY, B, available, loss_fn, tiny
-from harness import planned, program_losses, sgd_losses, spawn
+from harness import JobResults, planned, program_losses, sgd_losses, spawn_jobs
 
-pytestmark = pytest.mark.multiprocess
+MULTIPROCESS = pytest.mark.multiprocess
+"""Every test but the planning at real sizes (single-process, it runs beside the multi-process ones under xdist)."""
 
 STEPS, LR, RTOL = 5, 0.02, 1e-5
-MESHES = {"dp2": dict(dp=2, tp=1, pp=1), "tp2": dict(dp=1, tp=2, pp=1), "pp2": dict(dp=1, tp=1, pp=2),
-          "pp2-tp2": dict(dp=1, tp=2, pp=2), "dp2-tp2": dict(dp=2, tp=2, pp=1)}
+MESHES = {"dp2": {"dp": 2, "tp": 1, "pp": 1}, "tp2": {"dp": 1, "tp": 2, "pp": 1}, "pp2": {"dp": 1, "tp": 1, "pp": 2},
+          "pp2-tp2": {"dp": 1, "tp": 2, "pp": 2}, "dp2-tp2": {"dp": 2, "tp": 2, "pp": 1}}
 RUNS = {"torch-convnet": (("dp2", "tp2"), None),
         "torch-gated": (("dp2", "tp2", "pp2"), None),
         "torchtitan-llama3": (("dp2", "tp2", "pp2"), "pp2-tp2"),
@@ -75,21 +78,56 @@ def _check(name: str, results: dict[str, list[float] | str]) -> None:
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize("name", sorted(TINY))
-def test_runs_match_one_process(name: str) -> None:
-    _skip_unavailable(name)
+def _graph_and_plans(name: str) -> tuple[ir.Graph, dict[str, ir.Plan]]:
     model, batch = tiny(name)
     graph = ir.trace(model, batch(0)[0], model_name=name)
+    meshes = [*RUNS[name][0], *([RUNS[name][1]] if RUNS[name][1] else [])]
+    return graph, {m: _plan(graph, MESHES[m]) for m in meshes}
+
+
+@pytest.fixture(scope="module")
+def planned_models() -> dict[str, tuple[ir.Graph, dict[str, ir.Plan]] | Exception]:
+    """Each model that imports here, traced and planned under its meshes (or the error that stopped it, raised by
+    that model's test alone)."""
+    out: dict[str, tuple[ir.Graph, dict[str, ir.Plan]] | Exception] = {}
+    for name in sorted(TINY):
+        if not available(name):
+            try:
+                out[name] = _graph_and_plans(name)
+            except Exception as e:  # noqa: BLE001 - re-raised in the model's own test
+                out[name] = e
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(planned_models: dict[str, tuple[ir.Graph, dict[str, ir.Plan]] | Exception]) -> dict[int, JobResults]:
+    """Per world size, one spawned group running every model's plans (a job per model)."""
+    ok = {name: v for name, v in planned_models.items() if not isinstance(v, Exception)}
+    two = {name: (_train, (name, [(m, plans[m]) for m in RUNS[name][0]], g)) for name, (g, plans) in ok.items()}
+    four = {name: (_train, (name, [(RUNS[name][1], plans[RUNS[name][1]])], g))
+            for name, (g, plans) in ok.items() if RUNS[name][1]}
+    return {2: spawn_jobs(2, two), 4: spawn_jobs(4, four)}
+
+
+@MULTIPROCESS
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_runs_match_one_process(name: str, request: pytest.FixtureRequest) -> None:
+    _skip_unavailable(name)
+    model, _ = tiny(name)
+    planned_model = request.getfixturevalue("planned_models")[name]
+    if isinstance(planned_model, Exception):
+        raise planned_model
+    graph = planned_model[0]
     assert graph.num_params == sum({id(p): p.numel() for p in model.parameters()}.values())
     if name == "torch-gated":  # neither front end captures the gates: each is an opaque region, run replicated
         assert [p for p, _ in graph.opaque] == [f"blocks.{i}.gate" for i in range(4)], graph.opaque
         assert sum(n.op == "opaque" for n in graph.nodes) == 4 and not graph.unknown_ops
-    two, hybrid = RUNS[name]
-    results = spawn(_train, 2, name, [(m, _plan(graph, MESHES[m])) for m in two], graph)
+    runs = request.getfixturevalue("runs")
+    results = runs[2][name]
     assert results[0] == results[1]
     _check(name, results[0])
-    if hybrid:
-        _check(name, spawn(_train, 4, name, [(hybrid, _plan(graph, MESHES[hybrid]))], graph)[0])
+    if RUNS[name][1]:
+        _check(name, runs[4][name][0])
 
 
 @pytest.mark.parametrize("name", sorted(REAL))

@@ -9,6 +9,9 @@ At real sizes (meta device, nothing allocated): trace and plan GPT-2 124M, Llama
 BERT-base, T5-base, ViT-base and ResNet-50 on 1 and 8 DGX H100 nodes (Mixtral, which cannot train on one node, on 2
 and 8, and one node is refused naming the smallest that fits), with exact parameter counts; the models under 300M
 parameters get plain data parallelism.
+
+The 2-rank runs of the module (every model under dp2/tp2/pp2, the one-liner, weights from a checkpoint) share one
+spawned group (``two_rank_runs``), and the ranks are handed the graphs traced here rather than tracing again.
 """
 
 from __future__ import annotations
@@ -23,17 +26,18 @@ from autopar.planner.options import PlanOptions
 from autopar.planner.search import PlanInfeasibleError, search
 from autopar.profiles.builtin import load_builtin
 
-from harness import planned, program_losses, sgd_losses, spawn
+from harness import JobResults, planned, program_losses, sgd_losses, spawn, spawn_jobs
 from outside_models import REAL, TINY, B, real, tiny
 
-pytestmark = pytest.mark.multiprocess
+MULTIPROCESS = pytest.mark.multiprocess
+"""Every test but the planning at real sizes (single-process, it runs beside the multi-process ones under xdist)."""
 
 STEPS, LR, RTOL = 5, 0.02, 1e-5
 """At lr 0.1 the tiny ResNet's training is chaotic: a 1e-7 relative change of its initial weights moves its fourth
 loss by 2e-4 in one process, so reduction-order rounding alone would fail a 1e-5 check; at 0.02 it stays ~1e-7."""
-MESHES_2 = {"dp2": dict(dp=2, tp=1, pp=1), "tp2": dict(dp=1, tp=2, pp=1), "pp2": dict(dp=1, tp=1, pp=2)}
-HYBRID = {"dp2-tp2": dict(dp=2, tp=2, pp=1), "pp2-tp2": dict(dp=1, tp=2, pp=2), "dp2-pp2": dict(dp=2, tp=1, pp=2),
-          "pp2-tp2-mb1": dict(dp=1, tp=2, pp=2, micro_batch=1)}
+MESHES_2 = {"dp2": {"dp": 2, "tp": 1, "pp": 1}, "tp2": {"dp": 1, "tp": 2, "pp": 1}, "pp2": {"dp": 1, "tp": 1, "pp": 2}}
+HYBRID = {"dp2-tp2": {"dp": 2, "tp": 2, "pp": 1}, "pp2-tp2": {"dp": 1, "tp": 2, "pp": 2},
+          "dp2-pp2": {"dp": 2, "tp": 1, "pp": 2}, "pp2-tp2-mb1": {"dp": 1, "tp": 2, "pp": 2, "micro_batch": 1}}
 HYBRID_OF = {"gpt2": "pp2-tp2", "llama": "pp2-tp2", "t5": "pp2-tp2", "qwen2": "dp2-tp2", "bert": "dp2-tp2",
              "vit": "dp2-tp2", "resnet": "dp2-tp2", "mixtral": "dp2-pp2"}
 """One 4-rank hybrid per model (a spawn of 4 ranks building every model's program is the suite's slowest step)."""
@@ -51,10 +55,9 @@ def _reference(name: str) -> list[float]:
     return sgd_losses(model, lambda m, step: m(**batch(step)).loss, STEPS, LR)
 
 
-def _train(rank: int, cases: list[tuple[str, str, ir.Plan]]) -> dict[str, list[float] | str]:
+def _train(rank: int, cases: list[tuple[str, str, ir.Plan]],
+           graphs: dict[str, ir.Graph]) -> dict[str, list[float] | str]:
     from autopar.codegen.runtime.program import build_program
-
-    graphs = {name: ir.trace(tiny(name)[0], tiny(name)[1](0), model_name=name) for name in {c[0] for c in cases}}
 
     out: dict[str, list[float] | str] = {}
     for name, mesh, plan in cases:
@@ -96,6 +99,7 @@ def _check(results: dict[str, list[float] | str], refs: dict[str, list[float]]) 
     assert not bad, "\n".join(bad)
 
 
+@MULTIPROCESS
 def test_captured_with_export_and_keyword_inputs(graphs: dict[str, ir.Graph]) -> None:
     for name, g in graphs.items():
         model, _ = tiny(name)
@@ -105,6 +109,7 @@ def test_captured_with_export_and_keyword_inputs(graphs: dict[str, ir.Graph]) ->
         assert g.num_params == sum(own.values()), name
 
 
+@MULTIPROCESS
 def test_plans_have_their_mesh_and_shardings(graphs: dict[str, ir.Graph]) -> None:
     for name, m, plan in _cases({k: graphs[k] for k in ("gpt2", "resnet")}, MESHES_2):
         mesh = MESHES_2[m]
@@ -117,18 +122,20 @@ def test_plans_have_their_mesh_and_shardings(graphs: dict[str, ir.Graph]) -> Non
     assert any("BatchNorm" in note and "per rank" in note for note in dp_resnet.notes), dp_resnet.notes
 
 
-def test_two_ranks_match_one_process(graphs: dict[str, ir.Graph], references: dict[str, list[float]]) -> None:
-    results = spawn(_train, 2, _cases(graphs, MESHES_2))
+@MULTIPROCESS
+def test_two_ranks_match_one_process(two_rank_runs: JobResults, references: dict[str, list[float]]) -> None:
+    results = two_rank_runs["meshes"]
     assert results[0] == results[1]
     _check(results[0], references)
 
 
+@MULTIPROCESS
 def test_four_ranks_hybrid_match_one_process(graphs: dict[str, ir.Graph],
                                              references: dict[str, list[float]]) -> None:
     # and micro-batch 1, where torch.export's size-1 specialization makes the run's capture differ from the plan's
     # graph (traced at the example batch) in a few nodes
     extra = [("llama", "pp2-tp2-mb1", _plan(graphs["llama"], HYBRID["pp2-tp2-mb1"]))]
-    results = spawn(_train, 4, _cases(graphs, None) + extra)
+    results = spawn(_train, 4, _cases(graphs, None) + extra, graphs)
     _check(results[0], references)
 
 
@@ -162,9 +169,10 @@ def _one_liner(rank: int, name: str) -> list[float]:
     return program_losses(program, batch, STEPS, LR)
 
 
-def test_auto_parallel_one_liner(references: dict[str, list[float]]) -> None:
+@MULTIPROCESS
+def test_auto_parallel_one_liner(two_rank_runs: JobResults, references: dict[str, list[float]]) -> None:
     """The README's call, as a user writes it: a Hugging Face model, keyword inputs, no loss_fn, no wrapper."""
-    got = spawn(_one_liner, 2, "llama")
+    got = two_rank_runs["one_liner"]
     _check({"llama/auto_parallel": got[0]}, references)
 
 
@@ -189,23 +197,35 @@ def _train_from(rank: int, ckpt: str, cases: list[tuple[str, str, ir.Plan]]) -> 
     return out
 
 
-def test_weights_from_checkpoint_state_dict_or_own_init(graphs: dict[str, ir.Graph],
-                                                         references: dict[str, list[float]], tmp_path) -> None:
+def _weight_cases(graphs: dict[str, ir.Graph]) -> list[tuple[str, str, ir.Plan]]:
+    g = graphs["llama"]
+    return [("checkpoint", "tp2", _plan(g, MESHES_2["tp2"])), ("state_dict", "pp2", _plan(g, MESHES_2["pp2"])),
+            ("model", "dp2", _plan(g, MESHES_2["dp2"]))]
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(graphs: dict[str, ir.Graph], tmp_path_factory: pytest.TempPathFactory) -> JobResults:
+    ckpt = tmp_path_factory.mktemp("llama-checkpoint")
+    tiny("llama")[0].save_pretrained(ckpt)  # the directory a Hugging Face user has
+    return spawn_jobs(2, {"meshes": (_train, (_cases(graphs, MESHES_2), graphs)),
+                          "one_liner": (_one_liner, ("llama",)),
+                          "weights": (_train_from, (str(ckpt), _weight_cases(graphs)))})
+
+
+@MULTIPROCESS
+def test_weights_from_checkpoint_state_dict_or_own_init(two_rank_runs: JobResults,
+                                                         references: dict[str, list[float]]) -> None:
     """The user's weights without a real model in memory: a meta model plus a checkpoint (the directory
     ``save_pretrained`` writes) or a state dict gives the same losses as the caller's real model; ``init="model"``
     runs the model's own ``_init_weights`` module by module on each rank and matches the same initialization applied
     to a whole model in one process."""
     from autopar.codegen.runtime.weights import apply_model_init
 
-    model, batch = tiny("llama")
-    model.save_pretrained(tmp_path)
+    _, batch = tiny("llama")
     own = _meta_model("llama").to_empty(device="cpu")
     apply_model_init(own, 3)
     own_ref = sgd_losses(own, lambda m, step: m(**batch(step)).loss, STEPS, LR)
-    g = graphs["llama"]
-    cases = [("checkpoint", "tp2", _plan(g, MESHES_2["tp2"])), ("state_dict", "pp2", _plan(g, MESHES_2["pp2"])),
-             ("model", "dp2", _plan(g, MESHES_2["dp2"]))]
-    got = spawn(_train_from, 2, str(tmp_path), cases)[0]
+    got = two_rank_runs["weights"][0]
     _check({f"llama/{k}": v for k, v in got.items() if not k.startswith("model/")}, references)
     _check({f"own/{k}": v for k, v in got.items() if k.startswith("model/")}, {"own": own_ref})
     assert own_ref != references["llama"]  # a different initialization (seed 3), so the check above means something
