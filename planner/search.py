@@ -349,7 +349,7 @@ def _screen_tasks(s: _Screening, units: list[tuple[int, int, int]], keys: list[t
 def _screen_all(graph: Graph, profile: ClusterProfile, options: PlanOptions, tables: _Tables,
                 progress: Progress | None, pool: Pool[_Screening] | None = None) -> tuple[list[Screened], int, float]:
     """Screen every candidate; on a parallel ``pool`` (whose state is this search's :class:`_Screening`) the tables,
-    then the ``(tp, pp)`` units, are computed in worker processes and merged in the serial order, so the result does
+    then the ``(tp, pp, cp)`` units, are computed in worker processes and merged in the serial order, so the result does
     not depend on the worker count."""
     s = pool.state if pool is not None else _Screening(graph, profile, options, tables, ScreenMemo())
     units, keys = _units(s)
@@ -397,8 +397,9 @@ def _smallest_fitting_nodes(graph: Graph, profile: ClusterProfile, options: Plan
 
 
 def search(graph: Graph, profile: ClusterProfile, options: PlanOptions,
-           progress: Progress | None = None) -> SearchResult:
-    """Find the fastest plan that fits (see the module docstring)."""
+           progress: Progress | None = None, *, memo: dict | None = None) -> SearchResult:
+    """Find the fastest plan that fits (see the module docstring).  ``memo``, a dict the caller keeps, holds the
+    intra-op tables for searches on other node counts (a table does not depend on the node count)."""
     t0 = time.perf_counter()
     world = profile.nodes * profile.devices_per_node
     _validate_pins(world, options, profile)
@@ -407,7 +408,11 @@ def search(graph: Graph, profile: ClusterProfile, options: PlanOptions,
         raise ValueError(f"pin pp={pp} (x {vs} virtual stages) needs more stages than the {groups} layer groups of "
                          f"{graph.model_name or 'the model'} (a stage holds at least one); pin pp <= {groups // vs}")
     cost = CostModel(profile)
-    tables = _Tables(graph, cost, options)
+    key = (graph.fingerprint, repr(options), repr(replace(profile, nodes=1)))
+    tables = (memo or {}).get(key) or _Tables(graph, cost, options)
+    if memo is not None:
+        memo[key] = tables
+    tables.cost = cost  # each search checks its collectives against its own cluster's size
     with Pool(_Screening(graph, profile, options, tables, ScreenMemo()), options.workers) as pool:
         feasible, count, min_peak = _screen_all(graph, profile, options, tables, progress, pool)
         finalists = _finalists(feasible, options)

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from autopar.ir.errors import SchemaError
 from autopar.ir.plan import (
+    DeviceGroup,
     MemoryBreakdown,
     MeshPlan,
     OpSharding,
@@ -65,8 +66,11 @@ def _make_plan() -> Plan:
         devices_per_node=8, global_batch=64, micro_batch=2, num_microbatches=8, mesh=MeshPlan(pp=2, dp=4, tp=2),
         schedule="1f1b", zero=1, dtype="bfloat16",
         stages=(StagePlan(index=0, layer_start=0, layer_end=3, modules=("<prefix>", "blocks.0", "blocks.1"),
-                          recompute="selective", fwd_s=0.01, bwd_s=0.02, memory=mem),
-                StagePlan(index=1, layer_start=3, layer_end=5, modules=("blocks.2", "<suffix>"), memory=mem)),
+                          recompute="selective", fwd_s=0.01, bwd_s=0.02, memory=mem, device_group="a100"),
+                StagePlan(index=1, layer_start=3, layer_end=5, modules=("blocks.2", "<suffix>"), memory=mem,
+                          device_group="h100")),
+        device_groups=(DeviceGroup(name="a100", device="NVIDIA A100-SXM4-80GB", nodes=1),
+                       DeviceGroup(name="h100", device="NVIDIA H100 80GB HBM3", nodes=1)),
         param_shardings=(ParamSharding(pattern="blocks.*.attn.qkv.weight", placement="S(0)"),),
         op_shardings=(OpSharding(node="linear_1", op="linear", strategy="row", inputs=("S(2)",), output="P",
                                  comm="all_reduce"),),

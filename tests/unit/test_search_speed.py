@@ -195,7 +195,7 @@ def test_screen_tasks_cover_every_unit_once(tiny: ir.Graph) -> None:
         assert sorted(i for idx, _ in tasks for i in idx) == list(range(len(units)))
         assert len(tasks) >= min(workers, len(units))
         for idx, (us, sent) in tasks:
-            assert us == [units[i] for i in idx] and len({tp for tp, _ in us}) == 1
+            assert us == [units[i] for i in idx] and len({tp for tp, _, _ in us}) == 1
             assert all(k[0] == us[0][0] for k in sent) and all(t is None or t.solutions == () for t in sent.values())
     one = search_mod.search(tiny, prof, PlanOptions(global_batch=32, workers=1, pins={"tp": 2}))
     three = search_mod.search(tiny, prof, PlanOptions(global_batch=32, workers=3, pins={"tp": 2}))
