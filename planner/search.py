@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from fractions import Fraction
 
 from autopar.ir.errors import AutoparError
 from autopar.ir.graph import Graph
@@ -149,7 +150,11 @@ class _Tables:
                                  param_state_bytes=16.0)
 
     @staticmethod
-    def key(tp: int, mb: int, lean: bool = False) -> tuple[int, int, bool]:
+    def key(tp: int, mb: int | Fraction, lean: bool = False) -> tuple[int, int | Fraction, bool]:
+        """A table's key; ``mb`` is a fraction for a cp rank's share of a micro-batch (an integer when cp divides
+        it, so that such a rank reads the ordinary table of that micro-batch)."""
+        if isinstance(mb, Fraction) and mb.denominator == 1:
+            mb = int(mb)
         return (tp, mb, lean and tp > 1)
 
     def solve(self, key: tuple[int, int, bool]) -> LayerTable | None:
@@ -159,7 +164,7 @@ class _Tables:
         graph = self.fused if tp == 1 else self.graph
         try:
             sols = solve_graph(graph, tp=tp, cost=self.cost, tp_span=self.cost.span(tp, 1),
-                               dtype=self.options.dtype, micro_batch_scale=mb / self.trace_batch,
+                               dtype=self.options.dtype, micro_batch_scale=float(mb) / self.trace_batch,
                                options=self.lean_opts if lean else self.opts,
                                requires_grad=self.requires_grad[id(graph)])
         except ValueError as e:
@@ -193,14 +198,18 @@ class _Tables:
             self._floor[tp] = param_floor(self.graph, tp)
         return not self._floor[tp] >= sum(fast.params) * _LEANER
 
-    def with_cp(self, table: LayerTable, cp: int) -> LayerTable:
-        """``table`` for a rank of a cp group (:func:`autopar.planner.inter_op.context.cp_table`), memoized."""
+    def with_cp(self, table: LayerTable, cp: int, lean: bool = False) -> LayerTable | None:
+        """``table`` (one ``(tp, micro_batch)``) for a rank of a cp group: the table solved at ``micro_batch / cp``
+        with the K/V exchange added (:func:`autopar.planner.inter_op.context.cp_table`), memoized; None when no
+        sharding is valid at that size."""
         if cp == 1:
             return table
         key = (id(table), cp)
         got = self._cp.get(key)
         if got is None or got[0] is not table:  # hold the table, so its id cannot be reused while memoized
-            got = self._cp[key] = (table, cp_table(self.graph, table, self.cost, cp, self.options.dtype))
+            base = self.get(table.tp, Fraction(table.micro_batch, cp), lean)
+            got = self._cp[key] = (table, None if base is None else
+                                   cp_table(self.graph, base, self.cost, cp, self.options.dtype, table.micro_batch))
         return got[1]
 
     def with_ep(self, table: LayerTable, ep: int, cp: int) -> LayerTable:
@@ -215,7 +224,8 @@ class _Tables:
 
     def for_candidate(self, c: Candidate) -> LayerTable | None:
         table = self.get(c.tp, c.micro_batch, c.lean)
-        return None if table is None else self.with_ep(self.with_cp(table, c.cp), c.ep, c.cp)
+        table = None if table is None else self.with_cp(table, c.cp, c.lean)
+        return None if table is None else self.with_ep(table, c.ep, c.cp)
 
     def solved(self, key: tuple[int, int, bool]) -> bool:
         return key in self._cache
@@ -272,6 +282,8 @@ def _units(s: _Screening) -> tuple[list[tuple[int, int, int]], list[tuple[int, i
                     continue
                 for mb in _mb_choices(s.options.global_batch // dp, s.tables.trace_batch, s.options):
                     keys += [_Tables.key(tp, mb)] + ([_Tables.key(tp, mb, True)] if tp > 1 else [])
+                    if cp > 1:  # a cp rank's table: solved at its share of the micro-batch's tokens
+                        keys += [_Tables.key(tp, Fraction(mb, cp))]
     return units, keys
 
 
@@ -292,8 +304,8 @@ def _screen_unit(s: _Screening, unit: tuple[int, int, int]) -> tuple[list[Screen
     eps = ep_choices(s.graph, dp, None if (pe := _pin(options, "ep")) is None else int(pe))
     for mb in _mb_choices(per_replica, tables.trace_batch, options):
         m = per_replica // mb
-        variants = [(lean, tables.with_cp(t, cp)) for lean, t in tables.variants(tp, mb)]
-        variants = [(lean, ep, tables.with_ep(t, ep, cp)) for lean, t in variants for ep in eps]
+        variants = [(lean, tables.with_cp(t, cp, lean)) for lean, t in tables.variants(tp, mb)]
+        variants = [(lean, ep, tables.with_ep(t, ep, cp)) for lean, t in variants if t is not None for ep in eps]
         p2p_intra = dp * cp * tp * pp <= dpn  # neighbouring stages are dp*cp*tp ranks apart
         for sched, v in _schedules(pp, m, n_groups, options):
             for rc in options.recompute_modes:

@@ -4,9 +4,11 @@ Each cp rank holds ``2 cp`` sequence chunks' worth of tokens in two chunks, ``i`
 load-balanced split of Megatron-LM's context parallelism and of ring attention's "zigzag" layout, Liu et al. 2023,
 "Ring Attention with Blockwise Transformers"; Brandon et al. 2023, "Striped Attention"), so that every rank does
 ``1/cp`` of the causal score blocks.  Every op but attention is token-wise: a rank's FLOPs, bytes, activations and
-tensor-parallel collectives are ``1/cp`` of the whole sequence's, and attention's are ``1/cp`` too under the balanced
-split.  A cp table is therefore the ``(tp, micro_batch)`` table scaled by ``1/cp``, plus what attention must move
-to see every key: one of
+tensor-parallel collectives are those of ``1/cp`` of the micro-batch's tokens, and attention's FLOPs are ``1/cp`` too
+under the balanced split.  A cp rank's table is therefore the intra-op table solved at ``micro_batch / cp`` (every op
+costed at the shapes the rank runs: a kernel's launch overhead and its weights' bytes do not shrink with the tokens,
+and small GEMMs run at their own efficiency, so scaling the whole micro-batch's times by ``1/cp`` would be optimistic
+wherever ops are latency-bound), plus what attention must move to see every key: one of
 
 * ``ring``: ``cp - 1`` steps, each sending a rank's K and V chunk (packed, one p2p) to the next rank while it computes
   the scores of the block it holds; only what a step's transfer outlasts its compute is exposed.  The backward sends
@@ -150,27 +152,18 @@ def cp_p2p_count(cp: int) -> tuple[int, int]:
     return cp - 1, cp - 1
 
 
-def _scaled(sol: GroupSolution, k: float) -> GroupSolution:
-    return replace(sol, fwd_compute_s=sol.fwd_compute_s * k, bwd_compute_s=sol.bwd_compute_s * k,
-                   fwd_comm_s=sol.fwd_comm_s * k, bwd_comm_s=sol.bwd_comm_s * k,
-                   act_bytes_none=sol.act_bytes_none * k, act_bytes_selective=sol.act_bytes_selective * k,
-                   act_bytes_full=sol.act_bytes_full * k, recompute_fwd_s_selective=sol.recompute_fwd_s_selective * k,
-                   recompute_fwd_s_full=sol.recompute_fwd_s_full * k, out_bytes=sol.out_bytes * k,
-                   collectives=tuple((n, d, c, s * k) for n, d, c, s in sol.collectives))
-
-
-def cp_table(graph: Graph, table: LayerTable, cost: CostModel, cp: int, dtype: str) -> LayerTable:
-    """``table`` (one ``(tp, micro_batch)``) for a rank of a cp group: ``1/cp`` of every token-wise number, plus each
+def cp_table(graph: Graph, base: LayerTable, cost: CostModel, cp: int, dtype: str, micro_batch: int) -> LayerTable:
+    """The table of a rank of a cp group at ``micro_batch``, from ``base``, the intra-op table solved at
+    ``micro_batch / cp`` (the rank's tokens: its compute, activations, output bytes and tp collectives), plus each
     attention's K/V exchange (exposed time as tp-like communication on the critical path, the other ranks' K/V held
     for the backward, and the exchange redone by a full recomputation).  Works on a table without its per-group
-    solutions (what screening workers hold); with them, the solutions are scaled alike and each attention op's
-    sharding names its method."""
+    solutions (what screening workers hold); with them, each attention op's sharding names its method.  The result
+    reports ``micro_batch`` (the sequences a micro-batch holds; each rank holds ``1/cp`` of their tokens)."""
     if cp == 1:
-        return table
-    tp, mb_scale = table.tp, table.micro_batch / graph.batch
+        return base
+    tp, mb_scale = base.tp, micro_batch / graph.batch
     item = DTYPE_BYTES.get(dtype, 4) / 4.0
-    k = 1.0 / cp
-    n = len(table.fwd)
+    n = len(base.fwd)
     fwd, bwd, held = [0.0] * n, [0.0] * n, [0.0] * n
     methods: list[list[tuple[str, float, float]]] = [[] for _ in range(n)]
     for s in attention_sites(graph):
@@ -179,31 +172,29 @@ def cp_table(graph: Graph, table: LayerTable, cost: CostModel, cp: int, dtype: s
         bwd[s.group] += b
         held[s.group] += s.kv_bytes * item * mb_scale / tp / cp * (cp - 1)
         methods[s.group].append((name, f, b))
-    sc = lambda xs: tuple(x * k for x in xs)  # noqa: E731
-    plus = lambda xs, ys: tuple(x * k + y for x, y in zip(xs, ys))  # noqa: E731
-    act = {"none": plus(table.act["none"], held), "selective": plus(table.act["selective"], held),
-           "full": sc(table.act["full"])}
-    sols = tuple(_cp_solution(sol, k, fwd[gi], bwd[gi], held[gi], methods[gi])
-                 for gi, sol in enumerate(table.solutions))
-    return replace(table, fwd=plus(table.fwd, fwd), bwd=plus(table.bwd, bwd),
-                   recompute_fwd={"none": table.recompute_fwd["none"],
-                                  "selective": sc(table.recompute_fwd["selective"]),
-                                  "full": plus(table.recompute_fwd["full"], fwd)},
-                   act=act, act_none=act["none"], out_bytes=sc(table.out_bytes), solutions=sols)
+    plus = lambda xs, ys: tuple(x + y for x, y in zip(xs, ys))  # noqa: E731
+    act = {"none": plus(base.act["none"], held), "selective": plus(base.act["selective"], held),
+           "full": base.act["full"]}
+    sols = tuple(_cp_solution(sol, fwd[gi], bwd[gi], held[gi], methods[gi])
+                 for gi, sol in enumerate(base.solutions))
+    return replace(base, micro_batch=micro_batch, fwd=plus(base.fwd, fwd), bwd=plus(base.bwd, bwd),
+                   recompute_fwd={"none": base.recompute_fwd["none"],
+                                  "selective": base.recompute_fwd["selective"],
+                                  "full": plus(base.recompute_fwd["full"], fwd)},
+                   act=act, act_none=act["none"], solutions=sols)
 
 
-def _cp_solution(sol: GroupSolution, k: float, fwd: float, bwd: float, held: float,
+def _cp_solution(sol: GroupSolution, fwd: float, bwd: float, held: float,
                  methods: list[tuple[str, float, float]]) -> GroupSolution:
-    new = _scaled(sol, k)
+    new = sol
     if not methods:
         return new
     # the solution may be shared with an identical block solved first: its op names are that block's
     attn = [o.node for o in new.op_shardings if o.op == "sdpa"]
     chosen = {node: m for node, m in zip(attn, methods)}
-    ops = tuple(replace(o, compute_s=o.compute_s * k, comm_s=o.comm_s * k + chosen[o.node][1] + chosen[o.node][2],
+    ops = tuple(replace(o, comm_s=o.comm_s + chosen[o.node][1] + chosen[o.node][2],
                         comm="+".join(x for x in (o.comm, chosen[o.node][0]) if x))
-                if o.node in chosen else replace(o, compute_s=o.compute_s * k, comm_s=o.comm_s * k)
-                for o in new.op_shardings)
+                if o.node in chosen else o for o in new.op_shardings)
     colls = list(new.collectives) + [(node, d, m[0], t) for node, m in chosen.items()
                                      for d, t in (("fwd", m[1]), ("bwd", m[2]))]
     return replace(new, fwd_comm_s=new.fwd_comm_s + fwd, bwd_comm_s=new.bwd_comm_s + bwd,

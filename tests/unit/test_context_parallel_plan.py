@@ -73,3 +73,20 @@ def test_pin_cp_yaml_show_explain() -> None:
     attn = next(o for o in plan.op_shardings if o.op == "sdpa")
     assert attn.comm in ("cp_ring", "cp_all_gather") and attn.comm_s > 0  # the exchange's cost is on the op
     assert "context parallel: cp=2" in explain_node(plan, attn.node)
+
+
+def test_a_cp_rank_is_costed_at_its_own_share_of_the_tokens() -> None:
+    """gpt-tiny, 8 sequences of 16 tokens on 8 A100s: a cp=8 rank runs 8 sequences of 2 tokens, a dp=8 rank one of
+    16, the same tokens, FLOPs and kernel launches per op; every op here is launch-bound, so their compute is the
+    same (a cp table scaled from the whole micro-batch's by 1/cp once made cp=8 2.4x faster and the planner's
+    pick), and cp's K/V exchange makes it the slower plan."""
+    spec = build("gpt-tiny", batch=8, device="meta")
+    graph = ir.trace(spec.model, spec.example_inputs, model_name="gpt-tiny")
+    prof = load_builtin("dgx-a100-80gb", nodes=1)
+    opts = {"global_batch": 8, "dtype": "float32", "top_k": 0, "workers": 1}
+    cp8 = search(graph, prof, PlanOptions(pins={"cp": 8}, **opts)).best  # type: ignore[arg-type]
+    dp8 = search(graph, prof, PlanOptions(pins={"dp": 8}, **opts)).best  # type: ignore[arg-type]
+    assert cp8.mesh.cp == 8 and dp8.mesh.dp == 8 and cp8.micro_batch == 8 and dp8.micro_batch == 1
+    assert cp8.time.compute == pytest.approx(dp8.time.compute, rel=0.02)
+    assert cp8.time.total > dp8.time.total
+    assert search(graph, prof, PlanOptions(**opts)).best.mesh.cp == 1  # type: ignore[arg-type]
