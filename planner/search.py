@@ -394,12 +394,14 @@ def _smallest_fitting_nodes(graph: Graph, profile: ClusterProfile, options: Plan
     base = replace(options, pins={}, recompute_modes=("full",), zero_levels=(3,), schedules=("1f1b",),
                    max_micro_batch=1, intra_op_time_limit_s=min(options.intra_op_time_limit_s, 5.0), top_k=0)
     nodes = profile.nodes * 2
+    tables: _Tables | None = None  # one set of intra-op tables for every node count (they do not depend on it)
     while nodes <= 16384:
         prof = with_nodes(profile, nodes)
         world = nodes * prof.devices_per_node
         gb = max(options.global_batch, world)
         opts = replace(base, global_batch=gb, max_tp=prof.devices_per_node)
-        tables = _Tables(graph, CostModel(prof), opts)
+        tables = tables or _Tables(graph, CostModel(prof), opts)
+        tables.cost, tables.options = CostModel(prof), opts
         with Pool(_Screening(graph, prof, opts, tables, ScreenMemo()), opts.workers) as pool:
             fits, _, _ = _screen_all(graph, prof, opts, tables, None, pool)
         if fits:
@@ -420,11 +422,13 @@ def search(graph: Graph, profile: ClusterProfile, options: PlanOptions,
         raise ValueError(f"pin pp={pp} (x {vs} virtual stages) needs more stages than the {groups} layer groups of "
                          f"{graph.model_name or 'the model'} (a stage holds at least one); pin pp <= {groups // vs}")
     cost = CostModel(profile)
-    key = (graph.fingerprint, repr(options), repr(replace(profile, nodes=1)))
+    # what a table depends on besides its (tp, micro-batch): not the node count, batch, pins or inter-op choices
+    key = (graph.fingerprint, options.dtype, options.fused_kernels, options.intra_op_time_limit_s, options.seed,
+           options.expert_load, repr(replace(profile, nodes=1)))
     tables = (memo or {}).get(key) or _Tables(graph, cost, options)
     if memo is not None:
         memo[key] = tables
-    tables.cost = cost  # each search checks its collectives against its own cluster's size
+    tables.cost, tables.options = cost, options  # each search checks its collectives against its own cluster's size
     with Pool(_Screening(graph, profile, options, tables, ScreenMemo()), options.workers) as pool:
         feasible, count, min_peak = _screen_all(graph, profile, options, tables, progress, pool)
         finalists = _finalists(feasible, options)
