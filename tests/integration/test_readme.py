@@ -4,6 +4,7 @@ resume resharded, plan a model of one's own). About a minute and a half on a loa
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 
 from autopar.ir.plan import load_plan
 
+NUM = r"([-+\d.eE]+|nan|inf)"
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 
@@ -50,3 +52,15 @@ def test_readme_using_it_runs_as_written(tmp_path: Path) -> None:
     assert re.search(r"resumed from step \d+ .*now \[1, 1, 2\]", log), log[-3000:]
     # one line per save, from rank 0 only
     assert log.count("saved checkpoint step 50 ") == 1, log[-3000:]
+
+    # what autopar run logs: loss and time per step, then the measured step time beside the plan's prediction (for
+    # the whole step and per stage); the workers found the graph the planner traced (no fingerprint complaint)
+    steps = re.findall(rf"step (\d+)\s+loss {NUM}\s+time {NUM} s", log)
+    assert [int(s[0]) for s in steps][-10:] == list(range(40, 50)), log[-3000:]  # the resharded run's steps
+    assert all(math.isfinite(float(s[1])) and 0 < float(s[2]) < 60 for s in steps), steps
+    assert "fingerprint" not in log, log[-3000:]
+    assert re.search(r"predicted s\s+measured s\s+ratio", log), log[-3000:]
+    rows = re.findall(rf"^step\s+{NUM}\s+{NUM}\s+{NUM}$", log, re.M)
+    assert rows and float(rows[-1][0]) == pytest.approx(tp2.time.total, rel=1e-3) and float(rows[-1][1]) > 0, rows
+    stage_rows = re.findall(rf"^stage (\d+)\s+{NUM}\s+{NUM}\s+{NUM}$", log, re.M)
+    assert stage_rows and all(float(r[1]) > 0 and float(r[2]) > 0 for r in stage_rows), stage_rows
