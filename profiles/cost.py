@@ -232,17 +232,30 @@ class CostModel:
 
     def op_time(self, flops: float, bytes: float, dtype: str, kind: str = "other",  # noqa: A002
                 seq: int | None = None) -> float:
-        """``max(flops / rate, bytes / memory_bandwidth) / sustained_fraction + launch_overhead``; 0 for views."""
+        """``max(flops / rate, bytes / memory_bandwidth) / sustained_fraction + op_overhead(kind)``; a view moves
+        no data and costs only its eager overhead (0 unless the profile measured one)."""
         if kind not in OP_KINDS:
             raise ValueError(f"unknown op kind {kind!r}; expected one of {', '.join(OP_KINDS)}")
         if flops < 0 or bytes < 0:
             raise ValueError(f"op_time needs non-negative flops and bytes, got flops={flops}, bytes={bytes}")
         if kind == "view":
-            return 0.0
+            return self.op_overhead(kind)
         dev = self.profile.device
         compute = flops / self.compute_rate(dtype, kind, flops, seq) if flops > 0 else 0.0
         memory = bytes / dev.memory_bandwidth
-        return max(compute, memory) / dev.sustained_fraction + dev.launch_overhead_s
+        return max(compute, memory) / dev.sustained_fraction + self.op_overhead(kind)
+
+    def op_overhead(self, kind: str) -> float:
+        """Fixed eager cost of one op of ``kind`` per pass: ``launch_overhead_s`` times the profile's measured ratio
+        for the kind (``DeviceProfile.op_overhead``; 1 when not measured, 0 for views)."""
+        dev = self.profile.device
+        table = dev.op_overhead
+        ratio = table.get(kind)
+        if ratio is None and kind == "causal_attention":
+            ratio = table.get("attention")
+        if ratio is None:
+            ratio = 0.0 if kind == "view" else 1.0
+        return dev.launch_overhead_s * ratio
 
     def sharded_op_extra(self) -> float:
         """Extra eager time of one op (forward or backward, views included) on tensor-parallel operands: DTensor's

@@ -10,7 +10,10 @@ a real run):
 - pointwise memory bandwidth (``out = a + b`` on large tensors, 3 tensors of traffic);
 - launch overhead: what one op costs beyond its math in a training step, i.e. a chain of tiny autograd ops run
   forward and backward, per op and pass (dispatch + autograd bookkeeping + kernel launch); a bare one-element op
-  (no autograd) is also timed and is what matmul timings are corrected by;
+  (no autograd) is also timed and is what matmul timings are corrected by; and, per op kind of the IR (linear,
+  layer norm, attention, pointwise, reduction, view, cat, embedding), a chain of tiny such ops against the same chain
+  without them, stored as ``op_overhead`` in units of the launch overhead (an ``nn.Linear`` costs about twice a
+  multiply per pass here, a view about half);
 - collectives over message sizes (1 KiB .. 64 MiB by powers of 4; ``quick``: 1 KiB .. 1 MiB) on groups of
   2, 4, .. ``ranks`` ranks: ``all_reduce``, ``all_gather_single`` / ``reduce_scatter_single`` (the
   ``*_into_tensor`` / ``*_tensor`` forms on older torch) and
@@ -25,6 +28,7 @@ The result has ``nodes = 1`` and ``devices_per_node = ranks`` and no ``inter_nod
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -146,6 +150,67 @@ def _training_op_overhead(device: torch.device, sync: Callable[[], None], repeat
     return _time_calls(chain, sync, repeats, 5) / (2 * (ops + 1))
 
 
+_OVERHEAD_PASSES = {"matmul": 3, "embedding": 1}
+"""Passes the cost model charges one op of a kind's overhead for (``planner.intra_op.coster``): forward plus one
+per backward kernel (a linear's two GEMMs; an embedding, whose input is integer, is charged forward only); 2
+otherwise."""
+
+
+def _op_overheads(device: torch.device, sync: Callable[[], None], repeats: int, per_pass: float,
+                  ops: int = 16) -> dict[str, float]:
+    """Eager cost of one op of each IR kind (forward + backward, on tiny operands so that the math is negligible),
+    per pass the cost model charges (:data:`_OVERHEAD_PASSES`), in units of ``per_pass`` (the scalar-multiply
+    chain's cost per op and pass).  Each kind is a chain of ``ops`` such ops timed against the same chain without
+    them, so that the leaf, the loss and ``backward()`` cancel."""
+    import torch.nn.functional as F  # noqa: N812
+
+    x = torch.ones(2, 8, device=device, requires_grad=True)
+    w = torch.ones(8, device=device, requires_grad=True)
+    lin = [torch.nn.Linear(8, 8).to(device) for _ in range(ops)]
+    norm = [torch.nn.LayerNorm(8).to(device) for _ in range(ops)]
+    emb = torch.nn.Embedding(16, 8).to(device)
+    idx = torch.zeros(2, dtype=torch.long, device=device)
+    q = (1, 1, 2, 8)
+
+    def attn(y: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(y.view(q), y.view(q), y.view(q), is_causal=True).view(2, 8)
+
+    chains: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
+        "matmul": lambda y, i: lin[i](y),
+        "norm": lambda y, i: norm[i](y),
+        "attention": lambda y, i: attn(y),
+        "pointwise": lambda y, i: y * w,
+        "reduction": lambda y, i: y.sum(-1, keepdim=True).expand(2, 8),
+        "view": lambda y, i: y.view(16).view(2, 8),
+        "other": lambda y, i: torch.cat([y, y])[:2],
+        "embedding": lambda y, i: y + emb(idx),
+    }
+    # what else each chain step runs, in views and pointwise ops, removed from its time below
+    views = {"attention": 4, "reduction": 1, "view": 2, "other": 1}
+    pointwise = {"embedding": 1}
+
+    def run(op: Callable[[torch.Tensor, int], torch.Tensor] | None, n: int) -> Callable[[], None]:
+        def f() -> None:
+            y = x * 1.0
+            for i in range(n):
+                y = op(y, i) if op is not None else y
+            y.sum().backward()
+        return f
+
+    base = _time_calls(run(None, 0), sync, repeats, 5)
+    step = {k: max(_time_calls(run(op, ops), sync, repeats, 5) - base, 0.0) / ops for k, op in chains.items()}
+    one = {"view": step["view"] / 2}
+    one["pointwise"] = max(step["pointwise"], 0.0)
+    out = {}
+    for kind, t in step.items():
+        if kind == "view":
+            t = one["view"]
+        else:
+            t -= views.get(kind, 0) * one["view"] + pointwise.get(kind, 0) * one["pointwise"]
+        out[kind] = max(t, 0.0) / (_OVERHEAD_PASSES.get(kind, 2) * per_pass)
+    return out
+
+
 def _time_calls(fn: Callable[[], Any], sync: Callable[[], None], repeats: int, inner: int) -> float:
     fn()
     sync()
@@ -250,11 +315,12 @@ def _measure_device(opts: ProfileOptions, device: torch.device, rank: int, prog:
     out = torch.empty(1, device=device)
     launch = _time_calls(lambda: torch.add(x, y, out=out), sync, reps, 200)
     per_op = _training_op_overhead(device, sync, reps)
+    op_overhead = _op_overheads(device, sync, reps, max(launch, per_op))
     _step(prog, "launch overhead")
     # pointwise bandwidth: out = a + b
     numel = (4 if quick else 16) * 1024 * 1024 * (16 if cuda else 1)
     a, b, c = (torch.ones(numel, device=device) for _ in range(3))
-    t_add = _time_calls(lambda: torch.add(a, b, out=c), sync, reps, 3)
+    t_add = _time_calls(functools.partial(torch.add, a, b, out=c), sync, reps, 3)
     del a, b, c
     mem_bw = 3 * numel * 4 / t_add
     _step(prog, "memory bandwidth")
@@ -296,13 +362,76 @@ def _measure_device(opts: ProfileOptions, device: torch.device, rank: int, prog:
         "matmul_efficiency": eff,
         "memory_bandwidth": mem_bw,
         "launch_overhead_s": max(launch, per_op),
+        "op_overhead": op_overhead,
         "vector_flops": peak["float32"],
         "sources": {
             k: src
             for k in ("name", "memory_bytes", "peak_flops", "matmul_efficiency", "memory_bandwidth",
-                      "launch_overhead_s", "vector_flops")
+                      "launch_overhead_s", "op_overhead", "vector_flops")
         },
     }
+
+
+def _slicing_worker(barrier: Any, queue: Any, iters: int, threads: int) -> None:
+    torch.set_num_threads(threads)
+    a = torch.randn(64, 64)
+    leaf = torch.ones(8, requires_grad=True)
+
+    def work() -> None:  # a training step in miniature: small matmuls and a chain of tiny autograd ops
+        for _ in range(4):
+            a @ a
+        y = leaf
+        for _ in range(8):
+            y = y * 1.0001
+        y.sum().backward()
+
+    for _ in range(max(1, iters // 10)):
+        work()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        work()
+    queue.put(time.perf_counter() - t0)
+
+
+def time_concurrent(processes: int, *, iters: int = 3000, threads: int = 1) -> float:
+    """Median wall seconds of a fixed CPU workload run by ``processes`` processes at once (started together).
+
+    Against the same with fewer processes, this is the time-slicing factor of an oversubscribed CPU node: more
+    ranks than cores (or other work on the machine) share the cores, and each rank's every op takes that much
+    longer (:func:`oversubscribed`)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    barrier, queue = ctx.Barrier(processes), ctx.Queue()
+    procs = [ctx.Process(target=_slicing_worker, args=(barrier, queue, iters, threads)) for _ in range(processes)]
+    for p in procs:
+        p.start()
+    times = [queue.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join()
+    return statistics.median(times)
+
+
+def oversubscribed(profile: ClusterProfile, slowdown: float, *, note: str = "") -> ClusterProfile:
+    """``profile`` with every device time (arithmetic, memory traffic, per-op overhead) ``slowdown`` times longer:
+    the device of a node whose ranks share fewer cores than they need (e.g. a 2-rank CPU profile carried to 4 ranks
+    on the same 2 cores, ``slowdown = time_concurrent(4) / time_concurrent(2)``).  Links are left as they are."""
+    if not slowdown > 0:
+        raise ValueError(f"slowdown must be positive, got {slowdown}")
+    import dataclasses
+
+    dev = profile.device
+    tag = note or f"time-sliced x{slowdown:.3g}"
+    sources = dict(dev.sources)
+    for k in ("peak_flops", "vector_flops", "memory_bandwidth", "launch_overhead_s"):
+        sources[k] = f"{sources.get(k, '')}; {tag}".lstrip("; ")
+    device = dataclasses.replace(
+        dev, peak_flops={k: v / slowdown for k, v in dev.peak_flops.items()},
+        vector_flops=None if dev.vector_flops is None else dev.vector_flops / slowdown,
+        memory_bandwidth=dev.memory_bandwidth / slowdown, launch_overhead_s=dev.launch_overhead_s * slowdown,
+        sources=sources)
+    return dataclasses.replace(profile, device=device)
 
 
 def _group_sizes(ranks: int) -> list[int]:

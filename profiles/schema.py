@@ -136,6 +136,11 @@ class DeviceProfile:
     VLDB 2023).  0 means overlapped communication is free."""
     sharded_op_overhead: float = 1.0
     """Per-op eager cost of an op on tensor-parallel (DTensor) operands, views included, in launch_overhead_s."""
+    op_overhead: dict[str, float] = field(default_factory=dict)
+    """Per op kind (``profiles.cost.OP_KINDS``): the fixed eager cost of one op of that kind per pass (forward, or
+    each backward kernel), in units of ``launch_overhead_s``.  A kind not listed costs 1 (views: 0).  On CPU an
+    ``nn.Linear`` (module call, addmm, transposes, bias-gradient sum, two gradient accumulations) costs several
+    times a scalar multiply; ``autopar profile`` measures each kind with a chain of tiny autograd ops."""
     sources: dict[str, str] = field(default_factory=dict)
     """Field name -> where its number comes from."""
 
@@ -331,11 +336,22 @@ def _seq_efficiency(v: Any, path: str) -> tuple[SeqEfficiencyPoint, ...]:
     return tuple(pts)
 
 
+def _op_overhead(v: Any, path: str) -> dict[str, float]:
+    from autopar.profiles.cost import OP_KINDS
+
+    out = {}
+    for k, x in _mapping(v, path).items():
+        if k not in OP_KINDS:
+            raise _fail(f"{path}.{k}", f"unknown op kind (allowed: {', '.join(OP_KINDS)})")
+        out[str(k)] = _num(x, f"{path}.{k}", allow_zero=True)
+    return out
+
+
 def _device(v: Any, path: str) -> DeviceProfile:
     d = _mapping(v, path)
     req = {"name", "memory_bytes", "peak_flops", "matmul_efficiency", "memory_bandwidth", "launch_overhead_s"}
     _keys(d, path, req, {"vector_flops", "sustained_fraction", "overlap_slowdown", "causal_attention_efficiency",
-                         "sharded_op_overhead", "sources"})
+                         "sharded_op_overhead", "op_overhead", "sources"})
     pf_path = _join(path, "peak_flops")
     peak = {_dtype(k, f"{pf_path}.{k}"): _num(x, f"{pf_path}.{k}") for k, x in _mapping(d["peak_flops"], pf_path).items()}
     if not peak:
@@ -367,6 +383,7 @@ def _device(v: Any, path: str) -> DeviceProfile:
         sustained_fraction=sf,
         overlap_slowdown=slow,
         sharded_op_overhead=_num(d.get("sharded_op_overhead", 1.0), _join(path, "sharded_op_overhead")),
+        op_overhead=_op_overhead(d.get("op_overhead", {}), _join(path, "op_overhead")),
         causal_attention_efficiency=_seq_efficiency(d.get("causal_attention_efficiency", []),
                                                     _join(path, "causal_attention_efficiency")),
         sources=_str_map(d.get("sources", {}), _join(path, "sources")),
@@ -427,6 +444,8 @@ def profile_to_dict(profile: ClusterProfile) -> dict[str, Any]:
     for key, default in (("sustained_fraction", 1.0), ("overlap_slowdown", 0.0), ("sharded_op_overhead", 1.0)):
         if getattr(dev, key) != default:
             device[key] = getattr(dev, key)
+    if dev.op_overhead:
+        device["op_overhead"] = dict(dev.op_overhead)
     if dev.causal_attention_efficiency:
         device["causal_attention_efficiency"] = [{"seq": q.seq, "efficiency": q.efficiency}
                                                  for q in dev.causal_attention_efficiency]

@@ -102,8 +102,11 @@ class _Coster:
 
     def _compute(self, node: Node, strat: Strategy) -> tuple[float, float]:
         kind = _KIND_MAP.get(node.kind, node.kind)
-        if kind in ("view", "input") or not node.outputs:
+        if kind == "input" or not node.outputs:
             return 0.0, 0.0
+        if kind == "view":  # no data moved; its eager overhead (0 unless the profile measured one) each way
+            o = self.cost.op_overhead("view")
+            return o, (o if node.name in self.requires_grad else 0.0)
         f, nb = strat.frac, self.node_bytes(node)
         seq, work = None, 1.0
         if kind == "attention" and dict(node.attrs).get("is_causal") and node.out is not None and node.out.shape:

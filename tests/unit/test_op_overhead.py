@@ -1,0 +1,151 @@
+"""Per-op-kind eager overhead (``DeviceProfile.op_overhead``) and the time-sliced device of an oversubscribed CPU
+node (``profiles.profiler.oversubscribed``): the cost model's charge per kind, the profile schema, the profiler's
+measurement, and the calibration mechanics they serve (one overhead factor fitted on one model carries to another
+model whose ops are of other kinds).  Synthetic profiles and runs only: nothing here is timed."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from autopar import ir
+from autopar.planner.calibrate import RunMeasurement, calibrate, observation, predict
+from autopar.planner.options import PlanOptions
+from autopar.planner.search import search
+from autopar.profiles import (
+    COLLECTIVES,
+    AlphaBeta,
+    ClusterProfile,
+    CostModel,
+    DeviceProfile,
+    EfficiencyPoint,
+    LinkProfile,
+)
+from autopar.profiles.profiler import _op_overheads, oversubscribed
+from autopar.profiles.refit import apply_factors
+from autopar.profiles.schema import ProfileError, profile_from_dict, profile_to_dict
+from autopar.zoo import build
+
+TABLE = {"matmul": 3.0, "norm": 2.0, "attention": 4.0, "pointwise": 0.5, "reduction": 0.5, "view": 0.25,
+         "other": 1.0, "embedding": 2.0}
+
+
+def cpu_like() -> ClusterProfile:
+    """A small 2-rank CPU-like profile (as tests/unit/test_calibrate.py's)."""
+    ab = {k: (AlphaBeta(group_size=2, alpha_s=3e-4, busbw=5e8),) for k in COLLECTIVES}
+    dev = DeviceProfile(name="cpu-like", memory_bytes=8 * 2**30, peak_flops={"float32": 1e11, "bfloat16": 1e11},
+                        matmul_efficiency={"default": (EfficiencyPoint(flops=1e5, efficiency=0.2),
+                                                       EfficiencyPoint(flops=1e8, efficiency=1.0))},
+                        memory_bandwidth=2e10, launch_overhead_s=4e-6, vector_flops=5e10)
+    return ClusterProfile(schema_version=1, name="cpu-like", source="synthetic", nodes=1, devices_per_node=2,
+                          device=dev, links={"intra_node": LinkProfile(level="intra_node", **ab)})  # type: ignore
+
+
+def _graph(name: str) -> ir.Graph:
+    spec = build(name, batch=1, device="meta", seq=16)
+    return ir.verify(ir.trace(spec.model, spec.example_inputs, frontend="fx", model_name=name))
+
+
+def _synthetic_run(plan: ir.Plan, truth_plan: ir.Plan) -> RunMeasurement:
+    """A run measured as the truth profile predicts it (every rank the critical one)."""
+    c, comm, opt, total = observation(truth_plan)
+    rank = {"compute": c, "comm": comm, "p2p": truth_plan.time.bubble, "idle": 0.0, "optimizer": opt,
+            "matmul": 0.0, "step": total}
+    return RunMeasurement(plan_path="synthetic.yaml", model=plan.model, mesh=(plan.mesh.pp, plan.mesh.dp,
+                          plan.mesh.tp), step_s=total, ranks=[rank] * plan.world_size)
+
+
+def with_table(prof: ClusterProfile, table: dict[str, float]) -> ClusterProfile:
+    return dataclasses.replace(prof, device=dataclasses.replace(prof.device, op_overhead=dict(table)))
+
+
+def test_op_time_charges_each_kinds_measured_overhead() -> None:
+    base = cpu_like()
+    lo = base.device.launch_overhead_s
+    plain, kinded = CostModel(base), CostModel(with_table(base, TABLE))
+    assert plain.op_time(0, 0, "float32", "view") == 0.0  # no table: views free, every other kind one launch
+    assert plain.op_time(0, 0, "float32", "pointwise") == pytest.approx(lo)
+    for kind, ratio in TABLE.items():
+        assert kinded.op_time(0, 0, "float32", kind) == pytest.approx(lo * ratio)
+    assert kinded.op_time(0, 0, "float32", "causal_attention") == pytest.approx(lo * TABLE["attention"])
+    assert kinded.op_time(0, 0, "float32", "softmax") == pytest.approx(lo)  # not measured: one launch
+    # the arithmetic is unchanged; only the fixed part differs
+    t_plain, t_kind = (c.op_time(1e9, 1e6, "float32", "matmul") for c in (plain, kinded))
+    assert t_kind - t_plain == pytest.approx(lo * (TABLE["matmul"] - 1))
+    # the overhead factor scales every kind (the table is in launch_overhead_s units)
+    slow = CostModel(apply_factors(with_table(base, TABLE), {"overhead": 3.0}))
+    assert slow.op_time(0, 0, "float32", "view") == pytest.approx(3 * lo * TABLE["view"])
+
+
+def test_schema_round_trips_and_checks_op_overhead() -> None:
+    prof = with_table(cpu_like(), TABLE)
+    d = profile_to_dict(prof)
+    assert d["device"]["op_overhead"] == TABLE
+    assert profile_from_dict(d).device.op_overhead == TABLE
+    assert "op_overhead" not in profile_to_dict(cpu_like())["device"]
+    for bad in ({"matmull": 1.0}, {"matmul": -1.0}):
+        d["device"]["op_overhead"] = bad
+        with pytest.raises(ProfileError, match="op_overhead"):
+            profile_from_dict(d)
+
+
+def test_views_cost_their_overhead_in_a_plan() -> None:
+    graph, base = _graph("gpt-tiny"), cpu_like()
+    opts = PlanOptions(global_batch=8, dtype="float32", top_k=0, workers=1, pins={"pp": 1, "dp": 2, "tp": 1})
+    p0 = search(graph, base, opts).best
+    ones = {k: 1.0 for k in TABLE if k != "view"}
+    assert predict(graph, with_table(base, ones), p0).time.total == pytest.approx(p0.time.total)  # the default
+    views = sum(1 for n in graph.nodes if n.kind == "view")
+    more = predict(graph, with_table(base, {**ones, "view": 1.0}), p0)
+    # each view: forward, and backward where it carries a gradient
+    extra = (more.time.compute - p0.time.compute) / base.device.launch_overhead_s
+    assert views <= extra <= 2 * views
+
+
+def test_one_overhead_factor_carries_to_a_model_of_other_op_kinds() -> None:
+    """Fitted on gpt-tiny alone, the ``overhead`` factor predicts llama-tiny (many cheap pointwise ops and views)
+    when the profile knows each kind's cost; with one cost for every op it over-charges llama-tiny's small ops."""
+    gpt, llama = _graph("gpt-tiny"), _graph("llama-tiny")
+    base = cpu_like()
+    truth = apply_factors(with_table(base, TABLE), {"overhead": 20.0})
+
+    def plan(graph: ir.Graph, prof: ClusterProfile, batch: int, **pins: int) -> ir.Plan:
+        return search(graph, prof, PlanOptions(global_batch=batch, dtype="float32", top_k=0, workers=1,
+                                               pins=pins)).best
+
+    def fit_and_check(prof: ClusterProfile) -> float:
+        runs = []
+        for batch in (4, 16):
+            p = plan(gpt, prof, batch, pp=1, dp=2, tp=1, zero=0)
+            runs.append((p, gpt, _synthetic_run(p, predict(gpt, truth, p))))
+        fit = calibrate(prof, runs, names=["overhead", "matmul"])
+        held = plan(llama, prof, 8, pp=2, dp=1, tp=1)
+        want = predict(llama, truth, held).time.total
+        return predict(llama, apply_factors(prof, fit.factors), held).time.total / want
+
+    assert abs(fit_and_check(with_table(base, TABLE)) - 1) < 0.05
+    assert fit_and_check(base) > 1.3  # one cost per op, fitted on gpt-tiny: llama-tiny over-predicted
+
+
+def test_oversubscribed_device_slows_every_device_time_not_the_links() -> None:
+    base = with_table(cpu_like(), TABLE)
+    sliced = oversubscribed(base, 2.0)
+    a, b = CostModel(base), CostModel(sliced)
+    for args in ((1e9, 1e6, "float32", "matmul"), (1e6, 1e9, "float32", "pointwise"), (0, 0, "float32", "view"),
+                 (1e7, 1e7, "float32", "norm")):
+        assert b.op_time(*args) == pytest.approx(2 * a.op_time(*args))
+    assert b.collective_time("all_reduce", 1e6, group_size=2) == a.collective_time("all_reduce", 1e6, group_size=2)
+    assert "time-sliced" in sliced.device.sources["launch_overhead_s"]
+    with pytest.raises(ValueError):
+        oversubscribed(base, 0.0)
+
+
+def test_profiler_measures_every_kind() -> None:
+    torch.set_num_threads(1)
+    out = _op_overheads(torch.device("cpu"), lambda: None, repeats=1, per_pass=4e-6, ops=2)
+    assert set(out) == {"matmul", "norm", "attention", "pointwise", "reduction", "view", "other", "embedding"}
+    assert all(v >= 0 for v in out.values())
+    profile_from_dict({**profile_to_dict(cpu_like()),
+                       "device": {**profile_to_dict(cpu_like())["device"], "op_overhead": out}})
