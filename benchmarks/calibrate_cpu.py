@@ -4,12 +4,17 @@
                                        [--profile2 p2.yaml] [--profile4 p4.yaml] [--rounds 2] [--out DIR]
 
 1. Base profiles of this machine with 2 and 4 ranks (``autopar profile --quick``, or ``--profile2/--profile4``).
+   The 4-rank profile keeps its measured links; its device is the 2-rank device time-sliced by the measured
+   slowdown of one fixed workload run by 4 processes at once against 2 (``time_concurrent``: 4 ranks share 2 cores,
+   and other work on the machine shares them too), instead of a second, noisier device measurement.  Each profile
+   carries each op kind's eager overhead (``op_overhead``), so that one fitted ``overhead`` factor carries from the
+   fitted model to a model whose ops are of other kinds.
 2. Fit: the planner's pure-DP (``pp=1 dp=2 tp=1 zero=0``, global batch 4 and 16) and pure-TP (``tp=2``, batch 8)
    plans of ``--fit-model`` on 2 ranks run under ``autopar calibrate``'s attribution
    (:func:`autopar.planner.calibrate.measure_plan`) and the factors are fitted to them
    (:func:`autopar.planner.calibrate.calibrate_loop`: a plan whose shardings the fit changes is re-planned, run and
    fitted again).  The 2-rank fitted profile is the 2-rank base with the factors; the 4-rank one is the 4-rank base
-   with the same factors (what ``autopar calibrate --apply`` does).
+   (time-sliced, see 1) with the same factors (what ``autopar calibrate --apply`` does).
 3. Held out (never fitted on): for every ``--models`` model, the plans the planner makes with the fitted profile
    under the pins ``pp=2`` (2 ranks), ``pp=1 dp=2 tp=2`` and ``pp=2 dp=2 tp=1`` (4 ranks), run and measured the same way.
 
@@ -24,6 +29,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import sys
 import tempfile
 import time
@@ -34,7 +40,7 @@ from autopar import ir
 from autopar.planner.calibrate import RunMeasurement, calibrate_loop, measure_plan, plan_graph, predict
 from autopar.planner.options import PlanOptions
 from autopar.planner.search import search
-from autopar.profiles.profiler import run_profile_command
+from autopar.profiles.profiler import oversubscribed, run_profile_command, time_concurrent
 from autopar.profiles.refit import apply_factors, provenance
 from autopar.profiles.schema import ClusterProfile, load_profile, save_profile
 from autopar.zoo import build
@@ -110,12 +116,22 @@ def main() -> int:
     ap.add_argument("--iterations", type=int, default=2, help="fit / re-plan / re-measure passes (calibrate_loop)")
     ap.add_argument("--profile2", default=None)
     ap.add_argument("--profile4", default=None)
+    ap.add_argument("--slicing-repeats", type=int, default=3,
+                    help="repeats of the 2- and 4-process time-slicing measurement (median)")
     ap.add_argument("--out", default=None, help="keep plans, profiles and the results JSON here")
     args = ap.parse_args()
     wall0, cpu0, load0 = time.perf_counter(), cpu_s(), os.getloadavg()
     out = Path(args.out or tempfile.mkdtemp(prefix="autopar-calibrate-bench-"))
     out.mkdir(parents=True, exist_ok=True)
     base = {2: base_profile(args.profile2, 2, out), 4: base_profile(args.profile4, 4, out)}
+    # 4 ranks on this machine's cores: each rank's ops take as much longer as the ranks (and other work) time-slice
+    # the cores.  The 4-rank device is the 2-rank one slowed by that measured factor (one fixed workload run by 4
+    # processes at once against 2), not a second noisy device measurement; its links are the 4-rank measurement.
+    t2, t4 = (statistics.median(time_concurrent(n) for _ in range(args.slicing_repeats)) for n in (2, 4))
+    slicing = max(t4 / t2, 1.0)
+    base[4] = oversubscribed(replace(base[4], device=base[2].device), slicing,
+                             note=f"2-rank device time-sliced x{slicing:.3g} for 4 ranks on {os.cpu_count()} cores")
+    save_profile(base[4], out / "base4-sliced.yaml")
     graphs = {m: graph_of(m, args.seq) for m in dict.fromkeys([args.fit_model, *args.models])}
 
     fit_plans = {k: make_plan(graphs[args.fit_model], base[2], b, pins) for k, (b, pins) in FIT.items()}
@@ -154,6 +170,10 @@ def main() -> int:
 
     print(f"base profiles: {base[2].name} / {base[4].name}; global batch {args.batch}, seq {args.seq}, float32, "
           f"fastest of {args.rounds} round(s), median of {args.steps - args.warmup - args.profiled} unprofiled steps")
+    print(f"4-rank device: the 2-rank device time-sliced x{slicing:.3g} (4 vs 2 processes of one workload at once: "
+          f"{t4 * 1e3:.0f} / {t2 * 1e3:.0f} ms); per-op overhead by kind (x launch_overhead_s "
+          f"{base[2].device.launch_overhead_s * 1e6:.2f} us): "
+          + ", ".join(f"{k} {v:.2f}" for k, v in sorted(base[2].device.op_overhead.items())))
     print("fitted factors: " + ", ".join(f"{k} x{v:.3g}" for k, v in total.items()))
     print(f"{'plan':36}{'choices':44}{'base ms':>9}{'fit ms':>9}{'meas ms':>9}{'m/base':>8}{'m/fit':>8}"
           "   fit compute/comm/bubble ms | measured compute/comm/p2p+bubble (busiest rank)")
@@ -176,7 +196,8 @@ def main() -> int:
     print(f"benchmark: {wall:.1f} s wall, {cpu:.1f} s CPU (this process and its children); load average "
           f"{load0[0]:.1f} at the start, {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min) at the end on "
           f"{os.cpu_count()} cores")
-    (out / "results.json").write_text(json.dumps({"factors": total, "held_out": results, "wall_s": wall,
+    (out / "results.json").write_text(json.dumps({"factors": total, "slicing": slicing, "held_out": results,
+                                                   "wall_s": wall,
                                                    "cpu_s": cpu, "loadavg_start": load0, "loadavg_end": load},
                                                   indent=1))
     return 0
