@@ -9,9 +9,9 @@ Every policy and baseline is built from the same curves (each job's real plans a
   Cluster Scheduling Policies for Deep Learning Workloads", OSDI 2020): time fractions per device type from an LP.
 
 The figure of merit is the total weighted normalised throughput ``sum_j w_j T_j / E_j`` (``E_j``: the job's
-throughput under an equal share).  Target: goodput >= 1.2x equal share on the mixed set.  Schedule time: CPU
-seconds (this process and the search's workers) beside wall seconds, cold (an empty curve cache: every point
-planned) and warm (the same call again: all points from the cache); target under 60 s for 8 jobs x 64 nodes.
+throughput under an equal share); the unweighted sum ``sum_j T_j / E_j`` is printed beside it.  Target: goodput
+>= 1.2x equal share on the mixed set.  Schedule time: CPU seconds (this process and the search's workers) beside
+wall seconds, cold (an empty curve cache: every point planned) and warm (the same call again: all points from the cache); target under 60 s for 8 jobs x 64 nodes.
 
     OMP_NUM_THREADS=1 python benchmarks/schedule.py [--cache DIR]
 """
@@ -88,10 +88,12 @@ def main() -> None:
         }
         equal = weighted_total(p, tput["equal share"])
         print(f"\n== {label}: {len(jobs)} jobs, equal share {p.equal_nodes[jobs[0].name]} nodes each")
-        print(f"{'policy':30s} {'weighted total':>14s} {'vs equal':>9s}   per job (x its equal-share throughput)")
+        print(f"{'policy':30s} {'weighted total':>14s} {'vs equal':>9s} {'unweighted':>10s}   per job (x its "
+              "equal-share throughput)")
         for name, t in tput.items():
             per = " ".join(f"{j}={t.get(j, 0.0) / p.equal[j]:.2f}" for j in p.choices)
-            print(f"{name:30s} {weighted_total(p, t):14.2f} {weighted_total(p, t) / equal:8.2f}x   {per}")
+            flat = sum(t.get(j, 0.0) / p.equal[j] for j in p.choices)
+            print(f"{name:30s} {weighted_total(p, t):14.2f} {weighted_total(p, t) / equal:8.2f}x {flat:10.2f}   {per}")
         print("goodput allocation: " + ", ".join(f"{j} {c.nodes}x{c.pool}" for j, c in res["goodput"].items()))
         ratio = weighted_total(p, tput["goodput (autopar schedule)"]) / equal
         print(f"goodput / equal share = {ratio:.2f}x (target >= {TARGET_RATIO}x): "
