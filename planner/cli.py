@@ -262,8 +262,8 @@ def _exit_on_signal(signum: int, _frame: Any) -> None:
 
 def _cmd_replan(args: argparse.Namespace) -> int:
     from autopar.ir.plan import dump_plan, load_plan
-    from autopar.planner.options import PlanOptions, parse_pins
     from autopar.planner.hetero import search_hetero
+    from autopar.planner.options import PlanOptions, parse_pins
     from autopar.planner.profile_ref import plan_profile, with_source
     from autopar.planner.report import diff_plans
     from autopar.planner.search import search

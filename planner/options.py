@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Mapping
+from typing import TYPE_CHECKING, Literal, Mapping
 
 from autopar.ir.limits import MAX_BATCH, check_bound, clip
 from autopar.planner.pool import available_cores
+
+if TYPE_CHECKING:
+    from autopar.profiles.schema import ClusterProfile
 
 __all__ = ["PlanOptions", "parse_pins", "PIN_KEYS"]
 
@@ -123,3 +126,26 @@ def parse_pins(items: list[str] | tuple[str, ...] | None) -> dict[str, int | str
                 raise ValueError(f"pin {k} given twice ({k}={pins[k]} and {k}={value}); keep one")
             pins[k] = value
     return pins
+
+
+def validate_pins(world: int, options: PlanOptions, profile: ClusterProfile) -> None:
+    """Pins that no mesh of ``world`` devices (and the global batch) can satisfy, refused before any search."""
+    prod = 1
+    for k in ("pp", "dp", "cp", "tp"):
+        v = options.pins.get(k)
+        if v is not None:
+            if world % int(v):
+                raise ValueError(f"pin {k}={v} does not divide the {world} devices of {profile.nodes} x "
+                                 f"{profile.devices_per_node}; choose a divisor of {world}")
+            prod *= int(v)
+    if all(k in options.pins for k in ("pp", "dp", "cp", "tp")) and prod != world:
+        raise ValueError(f"pins pp*dp*cp*tp = {prod} but the cluster has {world} devices")
+    if world % prod:
+        raise ValueError(f"pinned degrees multiply to {prod}, which does not divide {world} devices")
+    dp = options.pins.get("dp")
+    if dp is not None and options.global_batch % int(dp):
+        raise ValueError(f"pin dp={dp} does not divide global batch {options.global_batch}")
+    mb = options.pins.get("micro_batch")
+    if mb is not None and int(mb) * int(dp or 1) > options.global_batch:
+        raise ValueError(f"pin micro_batch={mb} is larger than the global batch {options.global_batch}"
+                         f"{f' / dp={dp}' if dp else ''}: a micro-batch is a slice of one replica's batch")

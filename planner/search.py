@@ -29,7 +29,7 @@ from autopar.planner.inter_op.screen import ScreenMemo, param_floor
 from autopar.planner.intra_op import IntraOpOptions, solve_graph
 from autopar.planner.intra_op.coster import gradient_values
 from autopar.planner.intra_op.cpsat import CPSAT_WORKERS
-from autopar.planner.options import PlanOptions
+from autopar.planner.options import PlanOptions, validate_pins
 from autopar.planner.pool import Pool
 from autopar.profiles.builtin import with_nodes
 from autopar.profiles.cost import CostModel
@@ -105,28 +105,6 @@ def _schedules(pp: int, m: int, n_groups: int, options: PlanOptions) -> list[tup
                 continue  # torch.distributed.pipelining's 1F1B needs m >= pp; with fewer it is GPipe anyway
             out.append((s, 1))
     return out
-
-
-def _validate_pins(world: int, options: PlanOptions, profile: ClusterProfile) -> None:
-    prod = 1
-    for k in ("pp", "dp", "cp", "tp"):
-        v = options.pins.get(k)
-        if v is not None:
-            if world % int(v):
-                raise ValueError(f"pin {k}={v} does not divide the {world} devices of {profile.nodes} x "
-                                 f"{profile.devices_per_node}; choose a divisor of {world}")
-            prod *= int(v)
-    if all(k in options.pins for k in ("pp", "dp", "cp", "tp")) and prod != world:
-        raise ValueError(f"pins pp*dp*cp*tp = {prod} but the cluster has {world} devices")
-    if world % prod:
-        raise ValueError(f"pinned degrees multiply to {prod}, which does not divide {world} devices")
-    dp = options.pins.get("dp")
-    if dp is not None and options.global_batch % int(dp):
-        raise ValueError(f"pin dp={dp} does not divide global batch {options.global_batch}")
-    mb = options.pins.get("micro_batch")
-    if mb is not None and int(mb) * int(dp or 1) > options.global_batch:
-        raise ValueError(f"pin micro_batch={mb} is larger than the global batch {options.global_batch}"
-                         f"{f' / dp={dp}' if dp else ''}: a micro-batch is a slice of one replica's batch")
 
 
 class _Tables:
@@ -416,7 +394,7 @@ def search(graph: Graph, profile: ClusterProfile, options: PlanOptions,
     intra-op tables for searches on other node counts (a table does not depend on the node count)."""
     t0 = time.perf_counter()
     world = profile.nodes * profile.devices_per_node
-    _validate_pins(world, options, profile)
+    validate_pins(world, options, profile)
     pp, vs, groups = options.pins.get("pp"), int(options.pins.get("virtual_stages", 1)), len(graph.layers)
     if pp is not None and int(pp) * vs > groups:
         raise ValueError(f"pin pp={pp} (x {vs} virtual stages) needs more stages than the {groups} layer groups of "

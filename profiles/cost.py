@@ -55,6 +55,7 @@ from typing import Final
 
 from autopar.profiles.schema import (
     COLLECTIVES,
+    OP_KINDS,
     AlphaBeta,
     ClusterProfile,
     EfficiencyPoint,
@@ -76,10 +77,6 @@ __all__ = [
     "CostModel",
 ]
 
-OP_KINDS: Final = (
-    "matmul", "attention", "causal_attention", "pointwise", "reduction", "norm", "softmax", "embedding", "conv",
-    "view", "other",
-)
 MATMUL_KINDS: Final = frozenset({"matmul", "attention", "causal_attention", "conv"})
 RAIL_SCALED: Final = frozenset({"all_reduce", "all_gather", "reduce_scatter"})
 _DTYPE_ALIASES: Final = {

@@ -27,16 +27,26 @@ YAML files are validated on load; any problem raises :class:`ProfileError` namin
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 import yaml
 
 from autopar.ir.limits import MAX_DEVICES_PER_NODE, MAX_NODES, clip
 from autopar.ir.safe_yaml import YamlLimitError, load_yaml, write_atomic
+from autopar.profiles.validate import (
+    ProfileError,
+    _fail,
+    _int,
+    _join,
+    _keys,
+    _mapping,
+    _num,
+    _str,
+    _str_map,
+)
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -61,12 +71,13 @@ __all__ = [
 SCHEMA_VERSION = 1
 COLLECTIVES: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 LEVELS: tuple[str, ...] = ("intra_node", "inter_node")
+OP_KINDS: tuple[str, ...] = (
+    "matmul", "attention", "causal_attention", "pointwise", "reduction", "norm", "softmax", "embedding", "conv",
+    "view", "other",
+)
+"""The IR op kinds the cost model costs (``profiles.cost``), and a device's ``op_overhead`` keys."""
 DTYPES: tuple[str, ...] = ("float32", "tf32", "float16", "bfloat16")
 Level = Literal["intra_node", "inter_node"]
-
-
-class ProfileError(ValueError):
-    """A cluster profile is invalid; the message starts with the offending field path."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -198,69 +209,6 @@ class ClusterProfile:
 # Validation helpers
 
 
-_TINY, _HUGE = 1e-30, 1e30  # magnitudes a profile number may have (0 aside, where allowed)
-
-
-def _fail(path: str, msg: str) -> ProfileError:
-    return ProfileError(f"{clip(path)}: {clip(msg, 400)}")  # values quoted are cut: messages stay short
-
-
-def _mapping(v: Any, path: str) -> Mapping[str, Any]:
-    if not isinstance(v, Mapping):
-        raise _fail(path, f"expected a mapping, got {type(v).__name__}")
-    return v
-
-
-def _keys(d: Mapping[str, Any], path: str, required: set[str], optional: set[str] = frozenset()) -> None:
-    for k in d:
-        if k not in required and k not in optional:
-            allowed = ", ".join(sorted(required | set(optional)))
-            raise _fail(_join(path, str(k) if isinstance(k, str) and k else repr(k)), f"unknown key (allowed: {allowed})")
-    for k in sorted(required):
-        if k not in d:
-            raise _fail(_join(path, k), "missing required field")
-
-
-def _join(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
-
-
-def _num(v: Any, path: str, *, positive: bool = True, allow_zero: bool = False) -> float:
-    try:
-        x = float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
-    except OverflowError:  # an int beyond float range
-        x = math.nan
-    if not math.isfinite(x):
-        raise _fail(path, f"expected a {'positive ' if positive else ''}number, got {v!r}")
-    if x != 0 and not _TINY <= abs(x) <= _HUGE:  # denormal rates or 1e308 FLOP/s overflow the cost model
-        raise _fail(path, f"{v!r} is outside the magnitudes autopar accepts ({_TINY:g} to {_HUGE:g}): check units")
-    if positive and (x < 0 or (x == 0 and not allow_zero)):
-        kind = "non-negative" if allow_zero else "positive"
-        raise _fail(path, f"expected a {kind} number, got {v!r}")
-    return x
-
-
-def _int(v: Any, path: str, *, minimum: int = 1, maximum: int = 1 << 62) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise _fail(path, f"expected an integer >= {minimum}, got {v!r}")
-    if v < minimum:
-        raise _fail(path, f"expected an integer >= {minimum}, got {v!r}")
-    if v > maximum:
-        raise _fail(path, f"{v} is beyond autopar's limit of {maximum:,}; check the value")
-    return v
-
-
-def _str(v: Any, path: str) -> str:
-    if not isinstance(v, str):
-        raise _fail(path, f"expected a string, got {v!r}")
-    return v
-
-
-def _str_map(v: Any, path: str) -> dict[str, str]:
-    d = _mapping(v, path)
-    return {str(k): _str(x, _join(path, str(k))) for k, x in d.items()}
-
-
 def _dtype(k: Any, path: str, extra: tuple[str, ...] = ()) -> str:
     if k not in DTYPES and k not in extra:
         raise _fail(path, f"unknown dtype key {k!r} (allowed: {', '.join(DTYPES + extra)})")
@@ -337,8 +285,6 @@ def _seq_efficiency(v: Any, path: str) -> tuple[SeqEfficiencyPoint, ...]:
 
 
 def _op_overhead(v: Any, path: str) -> dict[str, float]:
-    from autopar.profiles.cost import OP_KINDS
-
     out = {}
     for k, x in _mapping(v, path).items():
         if k not in OP_KINDS:

@@ -1,0 +1,164 @@
+"""Eager-mode costs the profiler measures on the host: the fixed cost of one op per pass (a chain of tiny autograd
+ops, and each IR op kind against it), and the time-slicing of an oversubscribed CPU node (more ranks than cores), with
+the profile transform that carries a measured device to such a node."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from autopar.profiles.schema import ClusterProfile
+
+
+def _training_op_overhead(device: torch.device, sync: Callable[[], None], repeats: int, ops: int = 32) -> float:
+    """Seconds per op per pass (forward or backward) of a chain of tiny autograd ops: the fixed cost every op of a
+    training step pays, which the cost model charges as launch overhead."""
+    leaf = torch.ones(8, device=device, requires_grad=True)
+
+    def chain() -> None:
+        y = leaf
+        for _ in range(ops):
+            y = y * 1.0001
+        y.sum().backward()
+
+    return _time_calls(chain, sync, repeats, 5) / (2 * (ops + 1))
+
+
+_OVERHEAD_PASSES = {"matmul": 3, "embedding": 1}
+"""Passes the cost model charges one op of a kind's overhead for (``planner.intra_op.coster``): forward plus one
+per backward kernel (a linear's two GEMMs; an embedding, whose input is integer, is charged forward only); 2
+otherwise."""
+
+
+def _op_overheads(device: torch.device, sync: Callable[[], None], repeats: int, per_pass: float,
+                  ops: int = 16) -> dict[str, float]:
+    """Eager cost of one op of each IR kind (forward + backward, on tiny operands so that the math is negligible),
+    per pass the cost model charges (:data:`_OVERHEAD_PASSES`), in units of ``per_pass`` (the scalar-multiply
+    chain's cost per op and pass).  Each kind is a chain of ``ops`` such ops timed against the same chain without
+    them, so that the leaf, the loss and ``backward()`` cancel."""
+    import torch.nn.functional as F  # noqa: N812
+
+    x = torch.ones(2, 8, device=device, requires_grad=True)
+    w = torch.ones(8, device=device, requires_grad=True)
+    lin = [torch.nn.Linear(8, 8).to(device) for _ in range(ops)]
+    norm = [torch.nn.LayerNorm(8).to(device) for _ in range(ops)]
+    emb = torch.nn.Embedding(16, 8).to(device)
+    idx = torch.zeros(2, dtype=torch.long, device=device)
+    q = (1, 1, 2, 8)
+
+    def attn(y: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(y.view(q), y.view(q), y.view(q), is_causal=True).view(2, 8)
+
+    chains: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
+        "matmul": lambda y, i: lin[i](y),
+        "norm": lambda y, i: norm[i](y),
+        "attention": lambda y, i: attn(y),
+        "pointwise": lambda y, i: y * w,
+        "reduction": lambda y, i: y.sum(-1, keepdim=True).expand(2, 8),
+        "view": lambda y, i: y.view(16).view(2, 8),
+        "other": lambda y, i: torch.cat([y, y])[:2],
+        "embedding": lambda y, i: y + emb(idx),
+    }
+    # what else each chain step runs, in views and pointwise ops, removed from its time below
+    views = {"attention": 4, "reduction": 1, "view": 2, "other": 1}
+    pointwise = {"embedding": 1}
+
+    def run(op: Callable[[torch.Tensor, int], torch.Tensor] | None, n: int) -> Callable[[], None]:
+        def f() -> None:
+            y = x * 1.0
+            for i in range(n):
+                y = op(y, i) if op is not None else y
+            y.sum().backward()
+        return f
+
+    base = _time_calls(run(None, 0), sync, repeats, 5)
+    step = {k: max(_time_calls(run(op, ops), sync, repeats, 5) - base, 0.0) / ops for k, op in chains.items()}
+    one = {"view": step["view"] / 2}
+    one["pointwise"] = max(step["pointwise"], 0.0)
+    out = {}
+    for kind, t in step.items():
+        if kind == "view":
+            t = one["view"]
+        else:
+            t -= views.get(kind, 0) * one["view"] + pointwise.get(kind, 0) * one["pointwise"]
+        out[kind] = max(t, 0.0) / (_OVERHEAD_PASSES.get(kind, 2) * per_pass)
+    return out
+
+
+def _time_calls(fn: Callable[[], Any], sync: Callable[[], None], repeats: int, inner: int) -> float:
+    fn()
+    sync()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        sync()
+        samples.append((time.perf_counter() - t0) / inner)
+    return statistics.median(samples)
+
+def _slicing_worker(barrier: Any, queue: Any, iters: int, threads: int) -> None:
+    torch.set_num_threads(threads)
+    a = torch.randn(64, 64)
+    leaf = torch.ones(8, requires_grad=True)
+
+    def work() -> None:  # a training step in miniature: small matmuls and a chain of tiny autograd ops
+        for _ in range(4):
+            a @ a
+        y = leaf
+        for _ in range(8):
+            y = y * 1.0001
+        y.sum().backward()
+
+    for _ in range(max(1, iters // 10)):
+        work()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        work()
+    queue.put(time.perf_counter() - t0)
+
+
+def time_concurrent(processes: int, *, iters: int = 3000, threads: int = 1) -> float:
+    """Median wall seconds of a fixed CPU workload run by ``processes`` processes at once (started together).
+
+    Against the same with fewer processes, this is the time-slicing factor of an oversubscribed CPU node: more
+    ranks than cores (or other work on the machine) share the cores, and each rank's every op takes that much
+    longer (:func:`oversubscribed`)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    barrier, queue = ctx.Barrier(processes), ctx.Queue()
+    procs = [ctx.Process(target=_slicing_worker, args=(barrier, queue, iters, threads)) for _ in range(processes)]
+    for p in procs:
+        p.start()
+    times = [queue.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join()
+    return statistics.median(times)
+
+
+def oversubscribed(profile: ClusterProfile, slowdown: float, *, note: str = "") -> ClusterProfile:
+    """``profile`` with every device time (arithmetic, memory traffic, per-op overhead) ``slowdown`` times longer:
+    the device of a node whose ranks share fewer cores than they need (e.g. a 2-rank CPU profile carried to 4 ranks
+    on the same 2 cores, ``slowdown = time_concurrent(4) / time_concurrent(2)``).  Links are left as they are."""
+    if not slowdown > 0:
+        raise ValueError(f"slowdown must be positive, got {slowdown}")
+    import dataclasses
+
+    dev = profile.device
+    tag = note or f"time-sliced x{slowdown:.3g}"
+    sources = dict(dev.sources)
+    for k in ("peak_flops", "vector_flops", "memory_bandwidth", "launch_overhead_s"):
+        sources[k] = f"{sources.get(k, '')}; {tag}".lstrip("; ")
+    device = dataclasses.replace(
+        dev, peak_flops={k: v / slowdown for k, v in dev.peak_flops.items()},
+        vector_flops=None if dev.vector_flops is None else dev.vector_flops / slowdown,
+        memory_bandwidth=dev.memory_bandwidth / slowdown, launch_overhead_s=dev.launch_overhead_s * slowdown,
+        sources=sources)
+    return dataclasses.replace(profile, device=device)
+
