@@ -9,52 +9,22 @@ import dataclasses
 
 import pytest
 import torch
+from test_calibrate import _graph, _synthetic_run, cpu_like  # the calibration tests' synthetic profile and runs
 
 from autopar import ir
-from autopar.planner.calibrate import RunMeasurement, calibrate, observation, predict
+from autopar.planner.calibrate import calibrate, predict
 from autopar.planner.options import PlanOptions
 from autopar.planner.search import search
 from autopar.profiles import (
-    COLLECTIVES,
-    AlphaBeta,
     ClusterProfile,
     CostModel,
-    DeviceProfile,
-    EfficiencyPoint,
-    LinkProfile,
 )
 from autopar.profiles.profiler import _op_overheads, oversubscribed
 from autopar.profiles.refit import apply_factors
 from autopar.profiles.schema import ProfileError, profile_from_dict, profile_to_dict
-from autopar.zoo import build
 
 TABLE = {"matmul": 3.0, "norm": 2.0, "attention": 4.0, "pointwise": 0.5, "reduction": 0.5, "view": 0.25,
          "other": 1.0, "embedding": 2.0}
-
-
-def cpu_like() -> ClusterProfile:
-    """A small 2-rank CPU-like profile (as tests/unit/test_calibrate.py's)."""
-    ab = {k: (AlphaBeta(group_size=2, alpha_s=3e-4, busbw=5e8),) for k in COLLECTIVES}
-    dev = DeviceProfile(name="cpu-like", memory_bytes=8 * 2**30, peak_flops={"float32": 1e11, "bfloat16": 1e11},
-                        matmul_efficiency={"default": (EfficiencyPoint(flops=1e5, efficiency=0.2),
-                                                       EfficiencyPoint(flops=1e8, efficiency=1.0))},
-                        memory_bandwidth=2e10, launch_overhead_s=4e-6, vector_flops=5e10)
-    return ClusterProfile(schema_version=1, name="cpu-like", source="synthetic", nodes=1, devices_per_node=2,
-                          device=dev, links={"intra_node": LinkProfile(level="intra_node", **ab)})  # type: ignore
-
-
-def _graph(name: str) -> ir.Graph:
-    spec = build(name, batch=1, device="meta", seq=16)
-    return ir.verify(ir.trace(spec.model, spec.example_inputs, frontend="fx", model_name=name))
-
-
-def _synthetic_run(plan: ir.Plan, truth_plan: ir.Plan) -> RunMeasurement:
-    """A run measured as the truth profile predicts it (every rank the critical one)."""
-    c, comm, opt, total = observation(truth_plan)
-    rank = {"compute": c, "comm": comm, "p2p": truth_plan.time.bubble, "idle": 0.0, "optimizer": opt,
-            "matmul": 0.0, "step": total}
-    return RunMeasurement(plan_path="synthetic.yaml", model=plan.model, mesh=(plan.mesh.pp, plan.mesh.dp,
-                          plan.mesh.tp), step_s=total, ranks=[rank] * plan.world_size)
 
 
 def with_table(prof: ClusterProfile, table: dict[str, float]) -> ClusterProfile:
