@@ -378,8 +378,9 @@ def _smallest_fitting_nodes(graph: Graph, profile: ClusterProfile, options: Plan
         world = nodes * prof.devices_per_node
         gb = max(options.global_batch, world)
         opts = replace(base, global_batch=gb, max_tp=prof.devices_per_node)
-        tables = tables or _Tables(graph, CostModel(prof), opts)
-        tables.cost, tables.options = CostModel(prof), opts
+        cost = CostModel(prof)
+        tables = tables or _Tables(graph, cost, opts)
+        tables.cost, tables.options = cost, opts
         with Pool(_Screening(graph, prof, opts, tables, ScreenMemo()), opts.workers) as pool:
             fits, _, _ = _screen_all(graph, prof, opts, tables, None, pool)
         if fits:
