@@ -1,4 +1,4 @@
-"""The built-in model zoo: GPT (GPT-2, GPT-3, Megatron SC'21 sizes), Llama 3, top-2 MoE, Wide-ResNet and MLP.
+"""The built-in model zoo: GPT (GPT-2, GPT-3, Megatron SC'21 sizes), Llama 3, top-2 MoE, Wide-ResNet, ViT and MLP.
 
     from autopar.zoo import build, list_models, ModelSpec
     spec = build("gpt3-175b", batch=8, device="meta")   # instant: nothing is allocated on meta
@@ -20,13 +20,14 @@ _LAZY = {
     "build": "registry", "get_config": "registry", "ModelSpec": "registry", "init_weights": "_init",
     "GPT": "gpt", "GPTConfig": "gpt", "Llama": "llama", "LlamaConfig": "llama", "MoEGPT": "moe", "MoEConfig": "moe",
     "SparseMoE": "sparse_moe", "SparseMoEConfig": "sparse_moe", "routing_histogram": "sparse_moe",
-    "WideResNet": "wrn", "WRNConfig": "wrn", "MLPModel": "mlp", "MLPConfig": "mlp",
+    "WideResNet": "wrn", "WRNConfig": "wrn", "ViT": "vit", "ViTConfig": "vit", "MLPModel": "mlp",
+    "MLPConfig": "mlp",
 }
 
 __all__ = [
     "GPT", "Family", "GPTConfig", "Llama", "LlamaConfig", "MLPConfig", "MLPModel", "MoEConfig", "MoEGPT", "ModelSpec",
-    "SparseMoE", "SparseMoEConfig", "WRNConfig", "WideResNet", "build", "get_config", "init_weights", "list_models",
-    "routing_histogram",
+    "SparseMoE", "SparseMoEConfig", "ViT", "ViTConfig", "WRNConfig", "WideResNet", "build", "get_config",
+    "init_weights", "list_models", "routing_histogram",
 ]
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only (names resolved lazily below)
@@ -37,6 +38,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only (names r
     from autopar.zoo.moe import MoEConfig, MoEGPT
     from autopar.zoo.registry import ModelSpec, build, get_config
     from autopar.zoo.sparse_moe import SparseMoE, SparseMoEConfig, routing_histogram
+    from autopar.zoo.vit import ViT, ViTConfig
     from autopar.zoo.wrn import WideResNet, WRNConfig
 
 

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 __all__ = ["SIZES", "Family", "family_of", "list_models", "unknown_model"]
 
-Family = Literal["gpt", "llama", "moe", "sparse_moe", "wrn", "mlp", "custom"]
+Family = Literal["gpt", "llama", "moe", "sparse_moe", "wrn", "vit", "mlp", "custom"]
 
 
 def _gpt(layers: int, hidden: int, heads: int, seq: int, vocab: int) -> dict[str, Any]:
@@ -84,6 +84,12 @@ SIZES: dict[str, tuple[Family, dict[str, Any]]] = {
     "wrn-50-2": ("wrn", {"blocks": (3, 4, 6, 3)}),
     "wrn-101-2": ("wrn", {"blocks": (3, 4, 23, 3)}),
     "wrn-tiny": ("wrn", {"blocks": (1, 1, 1, 1), "base": 8, "classes": 10, "image": 32}),
+    # Vision Transformer: Dosovitskiy et al. 2021, "An Image is Worth 16x16 Words", Table 1 (Base 86M, Large 307M,
+    # Huge 632M; MLP 4h), at ImageNet's 224x224 with 1000 classes; the name carries the patch size.
+    "vit-b-16": ("vit", {"layers": 12, "hidden": 768, "heads": 12, "ffn": 3072, "patch": 16}),
+    "vit-l-16": ("vit", {"layers": 24, "hidden": 1024, "heads": 16, "ffn": 4096, "patch": 16}),
+    "vit-h-14": ("vit", {"layers": 32, "hidden": 1280, "heads": 16, "ffn": 5120, "patch": 14}),
+    "vit-tiny": ("vit", {"layers": 2, "hidden": 32, "heads": 4, "ffn": 64, "patch": 8, "image": 32, "classes": 10}),
     "mlp-tiny": ("mlp", {"layers": 2, "hidden": 64, "in_features": 32, "out_features": 16}),
     "mlp-large": ("mlp", {"layers": 8, "hidden": 8192, "in_features": 8192, "out_features": 8192}),
 }

@@ -27,12 +27,13 @@ from autopar.zoo.llama import Llama, LlamaConfig
 from autopar.zoo.mlp import MLPConfig, MLPModel
 from autopar.zoo.moe import MoEConfig, MoEGPT
 from autopar.zoo.sparse_moe import SparseMoE, SparseMoEConfig
+from autopar.zoo.vit import ViT, ViTConfig
 from autopar.zoo.wrn import WideResNet, WRNConfig
 
 __all__ = ["ModelSpec", "Family", "build", "list_models", "get_config", "lm_loss", "classification_loss",
            "regression_loss"]
 
-ZooConfig = GPTConfig | LlamaConfig | MoEConfig | SparseMoEConfig | WRNConfig | MLPConfig
+ZooConfig = GPTConfig | LlamaConfig | MoEConfig | SparseMoEConfig | WRNConfig | ViTConfig | MLPConfig
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -40,10 +41,10 @@ class ModelSpec:
     """A built model with everything needed to trace and train it.
 
     name: registry name (or the ``module:factory`` string).
-    family: "gpt" | "llama" | "moe" | "wrn" | "mlp", or "custom" for user factories.
+    family: "gpt" | "llama" | "moe" | "sparse_moe" | "wrn" | "vit" | "mlp", or "custom" for user factories.
     model: the module, on the requested device and dtype.
     example_inputs: positional inputs for ``model(*example_inputs)``, on the same device.
-    loss_fn: ``loss_fn(output, target) -> scalar``; cross entropy for LMs and WRN, MSE for the MLP.
+    loss_fn: ``loss_fn(output, target) -> scalar``; cross entropy for LMs, WRN and ViT, MSE for the MLP.
     make_target: ``make_target(batch, device) -> target`` matching ``loss_fn``; None when unknown (custom models).
     example_target: ``make_target(batch, device)`` for the built batch; None when unknown.
     config: the frozen family config (None for custom models).
@@ -65,12 +66,13 @@ class ModelSpec:
 # Sizes (the table lives in autopar.zoo.catalog, which does not import torch)
 # ---------------------------------------------------------------------------------------------------------------------
 _CONFIG_TYPES: dict[str, type] = {"gpt": GPTConfig, "llama": LlamaConfig, "moe": MoEConfig,
-                                  "sparse_moe": SparseMoEConfig, "wrn": WRNConfig, "mlp": MLPConfig}
+                                  "sparse_moe": SparseMoEConfig, "wrn": WRNConfig, "vit": ViTConfig,
+                                  "mlp": MLPConfig}
 _CONFIGS: dict[str, tuple[Family, ZooConfig]] = {name: (fam, _CONFIG_TYPES[fam](**kw)) for name, (fam, kw) in
                                                  SIZES.items()}
 
 _CONSTRUCTORS: dict[str, Callable[[Any], nn.Module]] = {
-    "gpt": GPT, "llama": Llama, "moe": MoEGPT, "sparse_moe": SparseMoE, "wrn": WideResNet, "mlp": MLPModel,
+    "gpt": GPT, "llama": Llama, "moe": MoEGPT, "sparse_moe": SparseMoE, "wrn": WideResNet, "vit": ViT, "mlp": MLPModel,
 }
 
 
@@ -124,7 +126,7 @@ def _io(family: Family, cfg: Any, batch: int, device: torch.device | str, dtype:
     if family in ("gpt", "llama", "moe", "sparse_moe"):
         inputs = (_randint(cfg.vocab, (batch, cfg.seq), device, seed),)
         return inputs, lambda b, d: _randint(cfg.vocab, (b, cfg.seq), d, seed + 1), lm_loss
-    if family == "wrn":
+    if family in ("wrn", "vit"):
         inputs = (_randn((batch, cfg.channels, cfg.image, cfg.image), dtype, device, seed),)
         return inputs, lambda b, d: _randint(cfg.classes, (b,), d, seed + 1), classification_loss
     inputs = (_randn((batch, cfg.in_features), dtype, device, seed),)

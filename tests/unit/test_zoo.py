@@ -17,7 +17,7 @@ from autopar.zoo import GPTConfig, LlamaConfig, ModelSpec, MoEConfig, build, get
 from autopar.zoo.llama import GQAttention, rope_tables
 from autopar.zoo.moe import MoELayer
 
-TINY = ["gpt-tiny", "llama-tiny", "moe-tiny", "wrn-tiny", "mlp-tiny"]
+TINY = ["gpt-tiny", "llama-tiny", "moe-tiny", "wrn-tiny", "vit-tiny", "mlp-tiny"]
 GPT_NAMES = [n for n in list_models() if get_config(n).__class__ is GPTConfig]
 LLAMA_NAMES = [n for n in list_models() if get_config(n).__class__ is LlamaConfig]
 SC21_NAMES = [n for n in list_models() if n.startswith("megatron-")]
@@ -29,8 +29,8 @@ def n_params(model: torch.nn.Module) -> int:
 
 def sc21_eq2(cfg: GPTConfig) -> Fraction:
     """Narayanan et al. SC'21 Eq. (2), evaluated exactly: 12 l h^2 (1 + 13/(12h) + (V+s)/(12 l h))."""
-    l, h = cfg.layers, cfg.hidden
-    return 12 * l * h * h * (1 + Fraction(13, 12 * h) + Fraction(cfg.vocab + cfg.seq, 12 * l * h))
+    n, h = cfg.layers, cfg.hidden
+    return 12 * n * h * h * (1 + Fraction(13, 12 * h) + Fraction(cfg.vocab + cfg.seq, 12 * n * h))
 
 
 # --- registry ---------------------------------------------------------------------------------------------------------
@@ -47,7 +47,7 @@ def test_list_models_covers_the_brief() -> None:
 def test_every_model_builds_on_meta(name: str) -> None:
     spec = build(name, batch=2)
     assert isinstance(spec, ModelSpec) and spec.name == name
-    assert spec.family in ("gpt", "llama", "moe", "sparse_moe", "wrn", "mlp")
+    assert spec.family in ("gpt", "llama", "moe", "sparse_moe", "wrn", "vit", "mlp")
     assert all(p.is_meta for p in spec.model.parameters())
     assert all(t.is_meta and t.shape[0] == 2 for t in spec.example_inputs)
     assert spec.example_target is not None and spec.example_target.is_meta
@@ -130,6 +130,10 @@ def test_known_published_param_counts() -> None:
     assert n_params(build("llama3-8b").model) == 8_030_261_248
     assert n_params(build("llama3-405b").model) == 405_853_388_800
     assert n_params(build("wrn-50-2").model) == 68_883_240  # torchvision wide_resnet50_2
+    # ViT-B/16, L/16, H/14 at 224 with 1000 classes: as transformers' ViTForImageClassification of that config
+    assert n_params(build("vit-b-16").model) == 86_567_656
+    assert n_params(build("vit-l-16").model) == 304_326_632
+    assert n_params(build("vit-h-14").model) == 632_045_800
 
 
 @settings(max_examples=15, deadline=None)
@@ -149,7 +153,7 @@ def expected_output_shape(spec: ModelSpec, batch: int) -> tuple[int, ...]:
     cfg = spec.config
     if spec.family in ("gpt", "llama", "moe", "sparse_moe"):
         return (batch, cfg.seq, cfg.vocab)
-    return (batch, cfg.classes) if spec.family == "wrn" else (batch, cfg.out_features)
+    return (batch, cfg.classes) if spec.family in ("wrn", "vit") else (batch, cfg.out_features)
 
 
 # --- CPU numerics -----------------------------------------------------------------------------------------------------
@@ -201,6 +205,17 @@ def test_causal(name: str) -> None:
         a, b = spec.model(idx), spec.model(changed)
     torch.testing.assert_close(a[:, :-1], b[:, :-1])
     assert not torch.allclose(a[:, -1], b[:, -1])
+
+
+def test_vit_attention_is_bidirectional() -> None:
+    spec = build("vit-tiny", batch=1, device="cpu")
+    x = spec.example_inputs[0]
+    changed = x.clone()
+    changed[..., -1, -1] += 1.0  # a pixel of the last patch: the class token (read by the head) attends to it
+    with torch.no_grad():
+        assert not torch.allclose(spec.model(x), spec.model(changed))
+    with pytest.raises(ValueError, match="multiple of patch"):
+        dataclasses.replace(spec.config, image=36)
 
 
 def test_llama_gqa_and_rope() -> None:
