@@ -279,7 +279,7 @@ def _screen_unit(s: _Screening, unit: tuple[int, int, int]) -> tuple[list[Screen
     if ((pd := _pin(options, "dp")) is not None and dp != pd) or options.global_batch % dp:
         return out, count, min_peak
     per_replica = options.global_batch // dp
-    eps = ep_choices(s.graph, dp, None if (pe := _pin(options, "ep")) is None else int(pe))
+    eps = ep_choices(s.graph, dp, None if (pe := _pin(options, "ep")) is None else int(pe), tp)
     for mb in _mb_choices(per_replica, tables.trace_batch, options):
         m = per_replica // mb
         variants = [(lean, tables.with_cp(t, cp, lean)) for lean, t in tables.variants(tp, mb)]

@@ -3,31 +3,47 @@ back with ``all_to_all_single`` (the program :mod:`autopar.planner.inter_op.expe
 
 **Groups.**  The dp axis is viewed as ``(dp / ep, ep)``: an *ep group* is ``ep`` consecutive dp indices at the same
 (pp, cp, tp) coordinates, and the ranks with the same position in their ep groups form an *expert-data-parallel*
-(edp) group.  Both come from one 5-D ``DeviceMesh`` ``(pp, edp, ep, cp, tp)`` laid over the plan's rank order.
-
-**Parameters.**  Each stacked expert weight ``[E, out, in]`` becomes a ``DTensor`` sharded ``Shard(0)`` on the ep
-mesh: the rank at ep index ``r`` holds experts ``[r E/ep, (r+1) E/ep)``.  Checkpoints therefore store the global
-tensor in ep chunks, and a load under another ep (or none) reads what it needs
-(:mod:`autopar.codegen.checkpoint`).  Their gradients are summed over the edp group and divided by dp: a rank's
-expert gradient already sums the contributions of its ep group's tokens, so the sum over edp covers every replica
-once, and dp divides as the all-reduce average does for the other parameters.
+(edp) group.  Both come from one 5-D ``DeviceMesh`` ``(pp, edp, ep, cp, tp)`` laid over the plan's rank order.  The
+ranks holding the same experts are the edp group times the cp group (cp ranks hold the same parameters and see other
+tokens): the *expert shard group* (:attr:`ExpertParallel.shard_mesh`).
 
 **Graph rewrite.**  In each layer-group ``fx`` module, the grouped expert matmuls (the zoo's
 ``autopar_zoo::expert_mm`` taking per-expert counts, transformers' ``grouped_mm_fallback`` taking offsets) that
-share a counts/offsets input form one region.  The region's counts are exchanged (one ``all_to_all_single`` of E
-integers), its entry rows (sorted by expert) are dispatched to the ranks owning their experts and regrouped by local
+share a counts/offsets input form one region.  The region (its grouped matmuls, the element-wise ops between them
+such as SwiGLU, and the views of its stacked weights) is moved into a submodule of the group, ``_autopar_ep<k>``,
+which the group calls with the region's inputs.  In it the counts are exchanged (one ``all_to_all_single`` of E
+integers), the entry rows (sorted by expert) are dispatched to the ranks owning their experts and regrouped by local
 expert, every grouped matmul runs on the local rows with the local weights and counts, and the exit matmul's rows
-are sent back (``combine``) into the original order.  Element-wise ops between the matmuls (SwiGLU) run on the local
-rows unchanged.  Dispatch and combine are differentiable (``torch.distributed.nn.functional.all_to_all_single``), so
-the backward issues their transposes: 5 ``all_to_all_single`` per region and micro-batch, as the planner charges.
+are sent back (``combine``) into the original order.  Dispatch and combine are differentiable
+(``torch.distributed._functional_collectives.all_to_all_single_autograd``), so the backward issues their
+transposes: 5 ``all_to_all_single`` per region and micro-batch, as the planner charges.
 
-Supported: ZeRO 0, tp = 1 (the grouped matmuls have no tensor-parallel rule); other plans are refused up front.
+**Parameters.**  Each stacked expert weight ``[E, out, in]`` is a ``DTensor`` sharded ``Shard(0)`` on the ep mesh:
+the rank at ep index ``r`` holds experts ``[r E/ep, (r+1) E/ep)``.  It is registered in the region submodule under
+its original path, so its name (with the ``_autopar_ep<k>`` component dropped:
+:func:`autopar.codegen.runtime.weights.strip_group`) is the model's; checkpoints store the global tensor in ep
+chunks, and a load under another ep (or none) reads what it needs (:mod:`autopar.codegen.checkpoint`).
+
+**Gradients.**  A rank's expert gradient already sums the contributions of its ep group's tokens, so the sum over
+the expert shard group covers every token once; it is divided by ``dp * cp``, as the average over dp x cp does for
+the other parameters.  ZeRO 0: one flattened all-reduce over the shard group (:func:`sync_expert_grads`).
+ZeRO >= 1: each region submodule is its own FSDP2 unit on the shard group (``fully_shard`` takes the ep DTensors
+and shards them further, a 2-D (shard, ep) layout as for FSDP x TP), reduce-scattering with the divide factor
+``dp * cp`` instead of its group size; the rest of the group is sharded over the whole dp (x cp) mesh as without ep.
+Expert parameters, gradients and optimizer state are thus sharded over the ranks holding the same experts, the
+others over all dp ranks: the layout :func:`autopar.planner.inter_op.memory.memory_breakdown` charges
+(``expert_elems``, ``ep``).  ZeRO-3 frees the gathered experts after the region's forward and gathers them again
+for its backward (the region is one module, so FSDP2's hooks bracket exactly its uses).
+
+Not supported: tp > 1 (the grouped matmuls have no tensor-parallel rule); the search never emits ep > 1 with tp > 1
+(:func:`autopar.planner.inter_op.expert.ep_choices`), and such a hand-made plan is refused up front.
 """
 
 from __future__ import annotations
 
+import operator
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -39,18 +55,20 @@ from torch.distributed.tensor import DTensor, Shard
 
 from autopar import ir
 
-__all__ = ["ExpertParallel", "check_supported", "split_expert_params", "sync_expert_grads"]
+__all__ = ["ExpertParallel", "REGION_PREFIX", "check_supported", "sync_expert_grads"]
 
 _GMM_NAMES = {"expert_mm": False, "grouped_mm_fallback": True}  # op -> takes offsets (True) or counts (False)
+REGION_PREFIX = "_autopar_ep"
+"""Name prefix of the region submodules (``_autopar_ep0``...): not part of any parameter's model name."""
 
 
 def check_supported(plan: ir.Plan) -> None:
-    """Refuse, before anything is built, an ep plan this runtime cannot run."""
+    """Refuse, before anything is built, an ep plan this runtime cannot run (the search never emits one)."""
     m = plan.mesh
-    if m.ep > 1 and (plan.zero != 0 or m.tp != 1):
-        raise NotImplementedError(f"expert parallelism (ep={m.ep}) runs with ZeRO 0 and tp=1 here; the plan has "
-                                  f"ZeRO-{plan.zero}, tp={m.tp}: re-plan with --pin ep={m.ep} --pin zero=0 "
-                                  "--pin tp=1")
+    if m.ep > 1 and m.tp != 1:
+        raise NotImplementedError(f"expert parallelism (ep={m.ep}) runs with tp=1 here (the grouped expert matmuls "
+                                  f"have no tensor-parallel rule); the plan has tp={m.tp}: re-plan (the planner "
+                                  f"never pairs ep > 1 with tp > 1) or pin --pin ep={m.ep} --pin tp=1")
 
 
 def _gmm_kind(node: fx.Node) -> bool | None:
@@ -97,17 +115,34 @@ def _a2a(x: torch.Tensor, out_sizes: list[int], in_sizes: list[int], group: dist
 
 
 class ExpertParallel:
-    """This rank's ep and edp groups, and the rewrite of a program's stage modules (module docstring)."""
+    """This rank's ep and expert shard groups, and the rewrite of a program's stage modules (module docstring)."""
 
     def __init__(self, plan: ir.Plan, device: torch.device) -> None:
         m = plan.mesh
-        self.ep, self.dp = m.ep, m.dp
+        self.ep, self.dp, self.cp = m.ep, m.dp, m.cp
         layout = torch.arange(m.world_size).view(m.pp, m.dp // m.ep, m.ep, m.cp, m.tp)
         self.mesh = DeviceMesh(device.type, layout, mesh_dim_names=("pp", "edp", "ep", "cp", "tp"))
         self.ep_mesh = self.mesh["ep"]
         self.group = self.ep_mesh.get_group()
-        self.edp_group = self.mesh["edp"].get_group()
         self.rank = self.ep_mesh.get_local_rank()
+        self.shard_mesh = self.mesh["edp"] if m.cp == 1 else self.mesh["edp", "cp"]._flatten("edp_cp")
+        """The ranks holding the same experts (edp x cp): their gradient sum, their ZeRO shards."""
+        self.regions: list[nn.Module] = []
+        self._sharded: dict[int, nn.Parameter] = {}
+
+    @property
+    def layout(self) -> tuple[int, int, int, int]:
+        """(ep, ep rank, expert shard group size, rank in it): how a full expert tensor is cut for this rank."""
+        return self.ep, self.rank, self.shard_mesh.size(), self.shard_mesh.get_local_rank()
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """The expert parameters (as the region modules hold them now: FSDP replaces them when it shards)."""
+        seen: set[int] = set()
+        for r in self.regions:
+            for p in r.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield p
 
     # ---- functions the rewritten graphs call ------------------------------------------------------------------
     def route(self, counts: torch.Tensor, offsets: bool) -> _Route:
@@ -126,64 +161,147 @@ class ExpertParallel:
 
     # ---- building ---------------------------------------------------------------------------------------------
     def apply(self, modules: Iterable[nn.Module]) -> int:
-        """Rewrite every group module's expert regions and shard their weights; returns the regions rewritten."""
+        """Move every group module's expert regions into ep submodules with ep-sharded (meta) weights; returns the
+        regions rewritten.  Run on the program's meta stages, before ``fully_shard`` and the weights' loading."""
         done = 0
         for root in modules:
             for gm in [m for m in root.modules() if isinstance(m, fx.GraphModule)]:
                 done += self._rewrite(gm)
         return done
 
-    def _shard_param(self, gm: fx.GraphModule, target: str) -> None:
-        owner_path, _, attr = target.rpartition(".")
-        owner = gm.get_submodule(owner_path) if owner_path else gm
-        full = getattr(owner, attr)
-        if isinstance(full, DTensor):
-            return  # shared by another group module: done already
-        per = full.shape[0] // self.ep
-        local = full.detach()[self.rank * per:(self.rank + 1) * per].clone()
-        p = nn.Parameter(DTensor.from_local(local, self.ep_mesh, [Shard(0)], run_check=False),
-                         requires_grad=full.requires_grad)
-        p._autopar_expert = self  # type: ignore[attr-defined]
-        setattr(owner, attr, p)
+    def fully_shard(self, zero: int, policy: object) -> None:
+        """ZeRO >= 1: each region its own FSDP2 unit on the expert shard group, gradients divided by ``dp * cp``
+        (module docstring).  Call before the enclosing groups are sharded."""
+        from torch.distributed.fsdp import fully_shard
+
+        for r in self.regions:
+            fully_shard(r, mesh=self.shard_mesh, reshard_after_forward=zero >= 3, mp_policy=policy)
+            r.set_gradient_divide_factor(float(self.dp * self.cp))  # type: ignore[operator]
+            if self.shard_mesh.size() > 1:
+                # a plain sum and a division after it: gloo has no pre-multiplied sum.  (Not on one rank: FSDP2
+                # divides a single rank's gradient by the factor itself, and would then divide once more.)
+                r.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+
+    def _shard_param(self, full: nn.Parameter) -> nn.Parameter:
+        """The ep-sharded ``Shard(0)`` DTensor parameter for a stacked expert weight (meta: filled after ``to_empty``)."""
+        if id(full) in self._sharded:
+            return self._sharded[id(full)]
+        if full.shape[0] % self.ep:
+            raise ValueError(f"{full.shape[0]} experts do not divide over ep={self.ep}")
+        local = torch.empty((full.shape[0] // self.ep, *full.shape[1:]), dtype=full.dtype, device="meta")
+        dt = DTensor.from_local(local, self.ep_mesh, [Shard(0)], run_check=False, shape=full.shape,
+                                stride=full.stride())
+        p = nn.Parameter(dt, requires_grad=full.requires_grad)
+        self._sharded[id(full)] = p
+        return p
 
     def _rewrite(self, gm: fx.GraphModule) -> int:
-        g = gm.graph
         regions: dict[fx.Node, list[fx.Node]] = {}
-        for n in g.nodes:
+        for n in gm.graph.nodes:
             if _gmm_kind(n) is not None:
                 regions.setdefault(n.args[2], []).append(n)  # type: ignore[arg-type]
-        for counts, nodes in regions.items():
-            offsets = bool(_gmm_kind(nodes[0]))
-            members = set(nodes)
-            gm._autopar_ep = self  # the graph reads this object with get_attr (module docstring)
-            with g.inserting_after(counts), warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # fx warns that the attribute is no parameter, buffer or module
-                epx = g.get_attr("_autopar_ep")
-            with g.inserting_after(epx):
-                route = g.call_function(_ep_route, (epx, counts, offsets))
-            dispatched: dict[fx.Node, fx.Node] = {}
-            for n in nodes:
-                x, w = n.args[0], n.args[1]
-                if not (_ancestors(x) & members):  # an entry: rows still in this rank's sorted order
-                    if x not in dispatched:
-                        with g.inserting_before(n):
-                            dispatched[x] = g.call_function(_ep_dispatch, (epx, x, route))
-                    x = dispatched[x]
-                with g.inserting_before(n):
-                    local_c = g.call_function(_ep_local_counts, (route, offsets, counts))
-                    w_local = g.call_function(_ep_local, (w,))
-                n.args = (x, w_local, local_c, *n.args[3:])
-                self._shard_param(gm, _param_target(w))
-            for n in nodes:
-                if not (_descendants(n) & (members - {n})):  # an exit: send the rows back
-                    with g.inserting_after(n):
-                        back = g.call_function(_ep_combine, (epx, n, route))
-                    n.replace_all_uses_with(back, delete_user_cb=lambda u, b=back: u is not b)
+        for k, (counts, nodes) in enumerate(regions.items()):
+            self._extract(gm, counts, nodes, f"{REGION_PREFIX}{k}")
         if regions:
-            g.lint()
+            gm.graph.lint()
             gm.recompile()
         return len(regions)
 
+    def _extract(self, gm: fx.GraphModule, counts: fx.Node, gmms: list[fx.Node], name: str) -> None:
+        """Replace one region of ``gm`` by a call of a new submodule ``name`` that runs it under ep."""
+        g = gm.graph
+        order = {n: i for i, n in enumerate(g.nodes)}
+        members = set(gmms)
+        offsets = bool(_gmm_kind(gmms[0]))
+        inside = set(members)
+        down: set[fx.Node] = set()
+        up: set[fx.Node] = set()
+        for n in gmms:
+            down |= _descendants(n)
+            up |= _ancestors(n)
+            inside |= _weight_chain(n.args[1])
+        inside |= down & up  # between the grouped matmuls (SwiGLU...)
+        nodes = sorted(inside, key=order.__getitem__)
+        ext = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in inside))
+        outs = [n for n in nodes if any(u not in inside for u in n.users)]
+        exits = {n for n in gmms if not (_descendants(n) & (members - {n}))}
+        users = [u for o in outs for u in o.users if u not in inside]
+        first = min(users, key=order.__getitem__)
+        if counts not in ext or any(order[a] >= order[first] for a in ext) or any(o.op == "get_attr" for o in outs):
+            raise NotImplementedError(f"cannot move the expert region of {[n.name for n in gmms]} into one module")
+        # the region's own graph: inputs -> route, dispatch, local grouped matmuls, combine -> outputs
+        sub = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {a: sub.placeholder(a.name) for a in ext}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # fx warns that the attribute is no parameter, buffer or module
+            epx = sub.get_attr("_autopar_ep")
+        route = sub.call_function(_ep_route, (epx, env[counts], offsets))
+        dispatched: dict[fx.Node, fx.Node] = {}
+        holder = nn.Module()
+        for n in nodes:
+            if n.op == "get_attr":
+                _holder_param(holder, str(n.target), self._shard_param(_pop_param(gm, str(n.target))))
+            if n in members:
+                x = n.args[0]
+                xe = env[x]  # type: ignore[index]
+                if not (_ancestors(x) & members):  # an entry: rows still in this rank's sorted order
+                    if x not in dispatched:
+                        dispatched[x] = sub.call_function(_ep_dispatch, (epx, xe, route))  # type: ignore[arg-type]
+                    xe = dispatched[x]  # type: ignore[index]
+                local_c = sub.call_function(_ep_local_counts, (route, offsets, env[counts]))
+                w_local = sub.call_function(_ep_local, (env[n.args[1]],))  # type: ignore[index]
+                c = sub.node_copy(n, lambda a: env[a])
+                c.args = (xe, w_local, local_c, *c.args[3:])
+            else:
+                c = sub.node_copy(n, lambda a: env[a])
+            env[n] = c
+        sub.output(tuple(sub.call_function(_ep_combine, (epx, env[o], route)) if o in exits else env[o]
+                         for o in outs))
+        holder._autopar_ep = self  # the region's graph reads this object with get_attr
+        region = fx.GraphModule(holder, sub, "ExpertRegion")
+        gm.add_submodule(name, region)
+        self.regions.append(region)
+        with g.inserting_before(first):
+            call = g.call_module(name, tuple(ext))
+            got = [g.call_function(operator.getitem, (call, i)) for i in range(len(outs))]
+        for o, v in zip(outs, got):
+            o.replace_all_uses_with(v, delete_user_cb=lambda u: u not in inside)
+        for n in reversed(nodes):
+            g.erase_node(n)
+
+
+def _holder_param(root: nn.Module, target: str, p: nn.Parameter) -> None:
+    """Register ``p`` in ``root`` under the dotted path ``target`` (creating plain modules on the way)."""
+    *path, leaf = target.split(".")
+    mod = root
+    for part in path:
+        if part not in mod._modules:
+            mod._modules[part] = nn.Module()
+        mod = mod._modules[part]  # type: ignore[assignment]
+    mod._parameters[leaf] = p
+
+
+def _pop_param(gm: fx.GraphModule, target: str) -> nn.Parameter:
+    """Remove the parameter at ``target`` from ``gm`` (it moves into a region) and return it."""
+    owner_path, _, attr = target.rpartition(".")
+    owner = gm.get_submodule(owner_path) if owner_path else gm
+    p = owner._parameters.pop(attr, None)
+    if p is None:
+        raise TypeError(f"the expert weight {target} is no parameter of its group module")
+    return p
+
+
+def _weight_chain(w: object) -> set[fx.Node]:
+    """The ``get_attr`` a grouped matmul's weight reads and the views (a transpose) on the way."""
+    out: set[fx.Node] = set()
+    node = w
+    while isinstance(node, fx.Node) and node.op != "get_attr":
+        out.add(node)
+        node = node.args[0] if node.args else None
+    if not isinstance(node, fx.Node):
+        raise TypeError(f"cannot find the expert weight behind {w}")
+    out.add(node)
+    return out
 
 
 def _ep_route(epx: ExpertParallel, counts: torch.Tensor, offsets: bool) -> _Route:
@@ -204,16 +322,6 @@ def _ep_local_counts(r: _Route, offsets: bool, like: torch.Tensor) -> torch.Tens
 
 def _ep_local(w: torch.Tensor) -> torch.Tensor:
     return w.to_local() if isinstance(w, DTensor) else w
-
-
-def _param_target(w: object) -> str:
-    """The ``get_attr`` target a grouped matmul's weight reads (through views such as a transpose)."""
-    node = w
-    while isinstance(node, fx.Node) and node.op != "get_attr":
-        node = node.args[0] if node.args else None
-    if not isinstance(node, fx.Node):
-        raise TypeError(f"cannot find the expert weight behind {w}")
-    return str(node.target)
 
 
 def _ancestors(x: object) -> set[fx.Node]:
@@ -240,27 +348,16 @@ def _descendants(x: fx.Node) -> set[fx.Node]:
     return out
 
 
-def split_expert_params(params: Iterable[nn.Parameter]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """(the other parameters, the ep-sharded expert weights)."""
-    rest, experts = [], []
-    for p in params:
-        (experts if hasattr(p, "_autopar_expert") else rest).append(p)
-    return rest, experts
-
-
 @torch.no_grad()
-def sync_expert_grads(experts: list[nn.Parameter]) -> None:
-    """Sum expert gradients over the edp group and divide by dp (module docstring)."""
-    if not experts:
-        return
-    epx: ExpertParallel = experts[0]._autopar_expert  # type: ignore[attr-defined]
-    grads = [(g.to_local() if isinstance(g, DTensor) else g) for p in experts if (g := p.grad) is not None]
+def sync_expert_grads(epx: ExpertParallel) -> None:
+    """ZeRO 0: sum the expert gradients over the expert shard group and divide by ``dp * cp`` (module docstring)."""
+    grads = [(g.to_local() if isinstance(g, DTensor) else g) for p in epx.parameters() if (g := p.grad) is not None]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
-    if dist.get_world_size(epx.edp_group) > 1:
-        dist.all_reduce(flat, group=epx.edp_group)
-    flat /= epx.dp
+    if epx.shard_mesh.size() > 1:
+        dist.all_reduce(flat, group=epx.shard_mesh.get_group())
+    flat /= epx.dp * epx.cp
     off = 0
     for g in grads:
         g.copy_(flat[off:off + g.numel()].view_as(g))

@@ -153,30 +153,35 @@ def copy_into(model: nn.Module, consume: Callable[[str, torch.Tensor], None]) ->
 class LocalSlot:
     """Where one full tensor goes on this rank: the parameter/buffer and how to cut its local piece."""
 
-    __slots__ = ("tensor", "chunks", "tp", "dp_rank", "dp", "fsdp")
+    __slots__ = ("tensor", "chunks", "tp", "dp_rank", "dp", "fsdp", "ep", "ep_rank")
 
     def __init__(self, tensor: torch.Tensor, *, chunks: int = 1, tp: int = 1, fsdp: bool = False, dp_rank: int = 0,
-                 dp: int = 1) -> None:
+                 dp: int = 1, ep: int = 1, ep_rank: int = 0) -> None:
         self.tensor = tensor
         self.chunks = chunks
         self.tp = tp
         self.fsdp = fsdp
         self.dp_rank = dp_rank
         self.dp = dp
+        self.ep = ep  # a routed-expert weight: experts split in ep dim-0 blocks, this rank's is ep_rank
+        self.ep_rank = ep_rank
 
 
 @torch.no_grad()
 def fill_slot(slot: LocalSlot, full: torch.Tensor, tp_rank: int) -> None:
     """Copy this rank's piece of ``full`` (the model-layout tensor) into ``slot.tensor``.
 
-    Order of cuts = order in which the program sharded it: chunk-interleave (fused projections), the tp placement
-    (``Shard(d)``: the tp_rank-th ``torch.chunk``), then FSDP2's dim-0 ``torch.chunk`` over dp."""
+    Order of cuts = order in which the program sharded it: chunk-interleave (fused projections), the ep block of a
+    routed-expert weight (the ep_rank-th dim-0 ``torch.chunk``), the tp placement (``Shard(d)``: the tp_rank-th
+    ``torch.chunk``), then FSDP2's dim-0 ``torch.chunk`` over dp (for an expert weight: over its shard group)."""
     from autopar.codegen.runtime.tensor_parallel import permute_chunks
 
     t = slot.tensor
     if slot.chunks > 1:
         full = permute_chunks(full, slot.chunks, slot.tp)
     local = full
+    if slot.ep > 1:
+        local = torch.chunk(local, slot.ep, dim=0)[slot.ep_rank]
     placements = t.placements if isinstance(t, DTensor) else ()
     tp_pl = placements[-1] if placements else None
     if isinstance(tp_pl, Shard) and slot.tp > 1:

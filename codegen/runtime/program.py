@@ -6,6 +6,8 @@ Build order (every rank, inside an initialized process group):
 2. a meta clone of the model (the caller's model is never mutated), cut into layer-group fx modules and chained into
    this rank's pipeline stages (:mod:`autopar.codegen.runtime.split`, :mod:`autopar.codegen.runtime.pipeline`);
 3. tensor parallelism: plan placements on parameters and activations (:mod:`autopar.codegen.runtime.tensor_parallel`);
+   expert parallelism: routed-expert regions into ep submodules with ep-sharded weights
+   (:mod:`autopar.codegen.runtime.expert_parallel`);
 4. the dp axis: FSDP2 for ZeRO >= 1, or gradient all-reduce for ZeRO 0 (:mod:`autopar.codegen.runtime.data_parallel`);
 5. ``to_empty`` and per-shard loading (:mod:`autopar.codegen.runtime.init`).
 
@@ -85,7 +87,8 @@ class ParallelProgram:
                  loss_fn: Loss, device: torch.device, chunks: dict[str, int], aliases: dict[str, list[str]],
                  tie_groups: dict[str, dist.ProcessGroup], non_persistent: frozenset[str] = frozenset(),
                  keywords: tuple[str, ...] = (), n_inputs: int | None = None,
-                 examples: list[tuple[Any, Any]] | None = None, cp: cpm.CpRuntime | None = None) -> None:
+                 examples: list[tuple[Any, Any]] | None = None, cp: cpm.CpRuntime | None = None,
+                 ep: epm.ExpertParallel | None = None) -> None:
         self.plan = plan
         self._keywords = keywords  # keyword inputs, in the order the model was captured with
         self._n_inputs = n_inputs
@@ -102,6 +105,7 @@ class ParallelProgram:
         self._tie_groups = tie_groups
         self._non_persistent = non_persistent
         self._cp: cpm.CpRuntime | None = cp
+        self._ep: epm.ExpertParallel | None = ep
         self._fsdp = plan.zero >= 1 and plan.mesh.dp * plan.mesh.cp > 1
         self.schedule = None
         if plan.mesh.pp > 1:
@@ -249,13 +253,15 @@ class ParallelProgram:
         target = tgt if self.is_last_stage else None
         self.schedule.step(*args, target=target, losses=losses)  # type: ignore[union-attr]
         if self.is_last_stage and losses:
-            return torch.stack([l.detach().float() for l in losses]).mean()
+            return torch.stack([x.detach().float() for x in losses]).mean()
         return torch.zeros((), device=self.device)
 
     def _sync_grads(self) -> None:
-        params, experts = epm.split_expert_params(self.parameters())  # ep-sharded experts sync over edp
-        epm.sync_expert_grads(experts)
+        experts = {id(p) for p in self._ep.parameters()} if self._ep is not None else set()
+        params = [p for p in self.parameters() if id(p) not in experts]  # experts sync over their shard group
         if not self._fsdp:
+            if self._ep is not None:
+                epm.sync_expert_grads(self._ep)
             dpm.fix_grad_placements(params)
             if self.plan.mesh.dp * self.plan.mesh.cp > 1:  # cp ranks hold the same parameters, too
                 group = self.mesh["dp"] if self._cp is None else self._cp.grad_mesh
@@ -329,6 +335,9 @@ def build_program(plan: ir.Plan, model: Any, *, loss_fn: Loss | None = None,
     cpr = cpm.CpRuntime(plan, mesh) if plan.mesh.cp > 1 else None
     stages, group_lists, chunks = _make_stages(plan, graph, split, indices, tp_mesh, aliases, cpr)
     chunks = {canon.get(k, k): v for k, v in chunks.items()}
+    epx = epm.ExpertParallel(plan, dev) if plan.mesh.ep > 1 else None
+    if epx is not None:  # expert regions into ep submodules with ep-sharded weights (before FSDP and loading)
+        epx.apply(stages)
     if sync_batchnorm and plan.mesh.dp > 1:
         for gl in group_lists:
             for g in gl:
@@ -337,20 +346,20 @@ def build_program(plan: ir.Plan, model: Any, *, loss_fn: Loss | None = None,
         _distribute_params(stages, tp_mesh, plan, canon)
     fsdp = plan.zero >= 1 and plan.mesh.dp * plan.mesh.cp > 1
     if fsdp:  # with cp, parameters are sharded over dp x cp (all hold the same parameters)
+        if epx is not None:  # expert weights over the ranks holding the same experts, first (inner units)
+            epx.fully_shard(plan.zero, dpm.mp_policy(plan.dtype, plan.reduce_dtype))
         dpm.apply_fsdp(list(stages), group_lists, mesh["dp"] if cpr is None else cpr.grad_mesh, plan.zero,
                        policy=dpm.mp_policy(plan.dtype, plan.reduce_dtype))
     for s in stages:
         _to_empty_keep_ties(s, dev)
     load_weights(stages, model, init, seed, canon, chunks, plan, fsdp, dp_rank if cpr is None else cpr.grad_rank,
-                 tp_rank, split.constants)
-    if plan.mesh.ep > 1:
-        epm.ExpertParallel(plan, dev).apply(stages)
+                 tp_rank, split.constants, experts=epx.layout if epx is not None else None)
     log.info("rank %d: stages %s, %d local parameter tensors", dist.get_rank(), indices,
              sum(1 for s in stages for _ in s.parameters()))
     return ParallelProgram(plan=plan, mesh=mesh, stages=stages, stage_indices=indices, loss_fn=loss_fn or _model_loss,
                            device=dev, chunks=chunks, aliases=aliases, tie_groups=tie_groups,
                            non_persistent=frozenset(canon.get(f, f) for f in _non_persistent(meta)),
-                           keywords=tuple(inputs[1]), n_inputs=len(split.model_inputs), cp=cpr,
+                           keywords=tuple(inputs[1]), n_inputs=len(split.model_inputs), cp=cpr, ep=epx,
                            examples=[(split.boundary_examples(plan.stages[i].layer_start, dev),
                                       split.boundary_examples(plan.stages[i].layer_end, dev)) for i in indices])
 

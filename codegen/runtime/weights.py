@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -137,17 +138,25 @@ def _init_one(m: nn.Module, hf: Callable[[nn.Module], None] | None) -> None:
 
 def load_weights(stages: list[nn.Module], model: nn.Module, init: Any, seed: int, canon: dict[str, str],
                  chunks: dict[str, int], plan: ir.Plan, fsdp: bool, dp_rank: int, tp_rank: int,
-                 constants: dict[str, torch.Tensor] | None = None) -> None:
+                 constants: dict[str, torch.Tensor] | None = None,
+                 experts: tuple[int, int, int, int] | None = None) -> None:
     """Fill every parameter and buffer of this rank's ``stages`` (already sharded and on their device) from
-    ``init`` (see the module docstring)."""
+    ``init`` (see the module docstring).  ``experts``: (ep, ep rank, expert shard group size, rank in it) of the
+    routed-expert weights that expert parallelism moved into ``_autopar_ep<k>`` region modules
+    (:mod:`autopar.codegen.runtime.expert_parallel`)."""
     slots: dict[str, dict[int, LocalSlot]] = {}
     for s in stages:
         for name, t in itertools.chain(s.named_parameters(remove_duplicate=False),
                                        s.named_buffers(remove_duplicate=False)):
             fqn = canon.get(strip_group(name), strip_group(name))
-            slots.setdefault(fqn, {})[id(t)] = LocalSlot(
-                t, chunks=chunks.get(fqn, 1), tp=plan.mesh.tp, fsdp=fsdp and isinstance(t, nn.Parameter),
-                dp_rank=dp_rank, dp=plan.mesh.dp * plan.mesh.cp)  # FSDP shards over dp x cp
+            param = isinstance(t, nn.Parameter)
+            if experts is not None and param and any(_REGION.fullmatch(part) for part in name.split(".")):
+                ep, ep_rank, shards, shard_rank = experts
+                slot = LocalSlot(t, fsdp=fsdp, dp_rank=shard_rank, dp=shards, ep=ep, ep_rank=ep_rank)
+            else:  # FSDP shards over dp x cp
+                slot = LocalSlot(t, chunks=chunks.get(fqn, 1), tp=plan.mesh.tp, fsdp=fsdp and param, dp_rank=dp_rank,
+                                 dp=plan.mesh.dp * plan.mesh.cp)
+            slots.setdefault(fqn, {})[id(t)] = slot
     filled: set[int] = set()
 
     def consume(fqn: str, full: torch.Tensor, buffers_only: bool = False) -> None:
@@ -194,7 +203,14 @@ def load_weights(stages: list[nn.Module], model: nn.Module, init: Any, seed: int
         raise ValueError(f"no value for {left[:5]}{' ...' if len(left) > 5 else ''} in {what}")
 
 
+_REGION = re.compile(r"_autopar_ep\d+")  # expert_parallel.REGION_PREFIX: the ep region submodules of a group
+
+
 def strip_group(name: str) -> str:
-    """``groups.3.blocks.1.attn.qkv.weight`` -> ``blocks.1.attn.qkv.weight`` (FQN in the original model)."""
+    """``groups.3.blocks.1.attn.qkv.weight`` -> ``blocks.1.attn.qkv.weight`` (FQN in the original model); an expert
+    weight moved into an ep region (``groups.3._autopar_ep0.layers.1.mlp.experts.w_up``) keeps its model name too."""
     parts = name.split(".")
+    if any(_REGION.fullmatch(p) for p in parts):
+        parts = [p for p in parts if not _REGION.fullmatch(p)]
+        name = ".".join(parts)
     return ".".join(parts[2:]) if parts[0] == "groups" else name

@@ -113,11 +113,13 @@ def moe_regions(graph: Graph) -> tuple[MoERegion, ...]:
     return tuple(out)
 
 
-def ep_choices(graph: Graph, dp: int, pinned: int | None = None) -> list[int]:
+def ep_choices(graph: Graph, dp: int, pinned: int | None = None, tp: int = 1) -> list[int]:
     """ep degrees to try with ``dp`` replicas: divisors of dp that divide every region's expert count (1 for a
-    model without routed experts); ``pinned`` alone when it qualifies (else none)."""
+    model without routed experts, or with ``tp`` > 1: the runtime has no tensor-parallel rule for the grouped
+    matmuls, :func:`autopar.codegen.runtime.expert_parallel.check_supported`); ``pinned`` alone when it qualifies
+    (else none)."""
     regions = moe_regions(graph)
-    if not regions:
+    if not regions or tp > 1:
         return [1] if pinned in (None, 1) else []
     ok = [d for d in range(1, dp + 1) if dp % d == 0 and all(r.experts % d == 0 for r in regions)]
     if pinned is not None:

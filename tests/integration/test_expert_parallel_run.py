@@ -1,6 +1,8 @@
-"""Expert parallelism on CPU ranks (issue 14): ep=2 (2 ranks) and ep=2 x edp=2 (4 ranks, dp=4) train the sparse MoE
-with the losses and the parameters (expert weights included) of one process; a tiny Hugging Face Mixtral trains under ep=2; the all_to_all calls are the ones the
-cost model charges; a checkpoint saved under ep=2 loads under ep=1 (dp=2) bit for bit."""
+"""Expert parallelism on CPU ranks (issue 14): ep=2 (2 ranks; ZeRO 0 and 1), ep=2 x edp=2 (4 ranks, dp=4; ZeRO 0,
+1 and 3) and the planner's ep=2 plans with cp=2 and with pp=2 (4 ranks, ZeRO-1) train the sparse MoE with the
+losses and the parameters (expert weights included) of one process; a tiny
+Hugging Face Mixtral trains under ep=2; the all_to_all calls are the ones the cost model charges; a checkpoint saved
+under ep=2 with ZeRO-1 loads under ep=1 (dp=2, ZeRO 0) bit for bit, and back."""
 
 from __future__ import annotations
 
@@ -10,12 +12,12 @@ import os
 
 import pytest
 import torch
-from outside_models import tiny
 from torch.distributed.tensor.debug import CommDebugMode
 
 from autopar import ir
 
-from harness import collective_counts, make_plan, program_losses, sgd_losses, spawn
+from harness import collective_counts, make_plan, planned, program_losses, sgd_losses, spawn
+from outside_models import tiny
 
 pytestmark = pytest.mark.multiprocess
 
@@ -31,14 +33,14 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 _GRAPH: dict[str, ir.Graph] = {}
 
 
-def _zoo(dp: int, ep: int):  # -> (spec, graph, plan)
+def _zoo(dp: int, ep: int, zero: int = 0):  # -> (spec, graph, plan)
     from autopar.zoo import build
 
     spec = build(MODEL, batch=B, device="cpu", seed=0)
     if MODEL not in _GRAPH:
         _GRAPH[MODEL] = ir.trace(spec.model, spec.example_inputs, model_name=MODEL)
     g = _GRAPH[MODEL]
-    plan = make_plan(g, dp=dp, micro_batch=B // dp)
+    plan = make_plan(g, dp=dp, micro_batch=B // dp, zero=zero)
     return spec, g, dataclasses.replace(plan, mesh=ir.MeshPlan(dp=dp, ep=ep))
 
 
@@ -62,6 +64,11 @@ def _two_ranks(rank: int, root: str) -> dict[str, object]:
     out["zoo"] = losses
     params = prog.gathered_state_dict()  # the expert weights' updates too, not only the losses
     out["zoo_params"] = params if rank == 0 else None
+    spec, g, plan = _zoo(2, 2, zero=1)  # ZeRO-1: experts FSDP-sharded over their (1-rank) edp group
+    z1 = build_program(plan, spec, graph=g)
+    out["zoo_z1"] = program_losses(z1, _batch, STEPS, LR)
+    z1_params = z1.gathered_state_dict()
+    out["zoo_z1_params"] = z1_params if rank == 0 else None
     # Hugging Face Mixtral (grouped_mm_fallback experts, torch.export capture) under ep=2
     model, batch = tiny("mixtral")
     hg = ir.trace(model, batch(0), model_name="mixtral")
@@ -70,8 +77,8 @@ def _two_ranks(rank: int, root: str) -> dict[str, object]:
     out["hf"] = program_losses(hprog, batch, STEPS, LR)
     hparams = hprog.gathered_state_dict()
     out["hf_params"] = hparams if rank == 0 else None
-    # checkpoint: Adam under ep=2, saved; loaded under ep=1 (dp=2)
-    spec, g, plan = _zoo(2, 2)
+    # checkpoint: Adam under ep=2 with ZeRO-1, saved; loaded under ep=1 (dp=2, ZeRO 0)
+    spec, g, plan = _zoo(2, 2, zero=1)
     saved = build_program(plan, spec, graph=g)
     opt = torch.optim.Adam(saved.parameters(), lr=1e-2)
     for step in range(2):
@@ -80,7 +87,7 @@ def _two_ranks(rank: int, root: str) -> dict[str, object]:
         opt.zero_grad()
     save_checkpoint(saved, opt, 2, root)
     before = saved.gathered_state_dict()
-    loaded = build_program(dataclasses.replace(plan, mesh=ir.MeshPlan(dp=2)), spec, graph=g)
+    loaded = build_program(dataclasses.replace(plan, mesh=ir.MeshPlan(dp=2), zero=0), spec, graph=g)
     opt2 = torch.optim.Adam(loaded.parameters(), lr=1e-2)
     load_checkpoint(loaded, opt2, os.path.join(root, "step_00000002"))
     after = loaded.gathered_state_dict()
@@ -90,17 +97,27 @@ def _two_ranks(rank: int, root: str) -> dict[str, object]:
         o.step()
     a, b = saved.gathered_state_dict(), loaded.gathered_state_dict()
     out["next_step"] = max(float((a[k] - b[k]).abs().max()) for k in a)
+    save_checkpoint(loaded, opt2, 3, root)  # and back: saved under ep=1, loaded under ep=2 with ZeRO-1
+    back = build_program(plan, spec, graph=g)
+    load_checkpoint(back, torch.optim.Adam(back.parameters(), lr=1e-2), os.path.join(root, "step_00000003"))
+    c = back.gathered_state_dict()
+    out["bitwise_back"] = sorted(b) == sorted(c) and all(torch.equal(b[k], c[k]) for k in b)
     return out
 
 
-def _four_ranks(rank: int) -> tuple[list[float], dict[str, torch.Tensor] | None]:
+def _four_ranks(rank: int, planned_: dict[str, ir.Plan]) -> list[tuple[list[float], dict[str, torch.Tensor] | None]]:
+    """dp=4 x ep=2 with ZeRO 0, 1 and 3 (experts sharded over their 2-rank edp group, the rest over dp=4), and the
+    planner's ep=2 plans with cp=2 and with pp=2 (ZeRO-1)."""
     from autopar.codegen.runtime.program import build_program
 
-    spec, g, plan = _zoo(4, 2)
-    prog = build_program(plan, spec, graph=g)
-    losses = program_losses(prog, _batch, STEPS, LR)
-    params = prog.gathered_state_dict()
-    return losses, params if rank == 0 else None
+    out = []
+    for zero in (0, 1, 3, "cp", "pp"):
+        spec, g, plan = _zoo(4, 2, zero=zero) if isinstance(zero, int) else (*_zoo(4, 2)[:2], planned_[zero])
+        prog = build_program(plan, spec, graph=g)
+        losses = program_losses(prog, _batch, STEPS, LR)
+        params = prog.gathered_state_dict()
+        out.append((losses, params if rank == 0 else None))
+    return out
 
 
 def _same_params(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> None:
@@ -121,21 +138,28 @@ def test_expert_parallel_parity_counts_and_checkpoint(tmp_path: os.PathLike[str]
     hf_ref = sgd_losses(hf_model, lambda m, s: m(**hf_batch(s)).loss, STEPS, LR)
 
     two = spawn(_two_ranks, 2, str(tmp_path))
-    four = spawn(_four_ranks, 4)
+    g = ir.trace(spec.model, spec.example_inputs, model_name=MODEL)
+    mixed = {"cp": planned(g, {"dp": 2, "ep": 2, "cp": 2, "tp": 1, "pp": 1, "zero": 1}, B),
+             "pp": planned(g, {"dp": 2, "ep": 2, "tp": 1, "pp": 2, "zero": 1}, B)}
+    assert [(p.mesh.ep, p.mesh.cp, p.mesh.pp, p.zero) for p in mixed.values()] == [(2, 2, 1, 1), (2, 1, 2, 1)]
+    four = spawn(_four_ranks, 4, mixed)
     for r in two:
         assert r["zoo"] == pytest.approx(ref, abs=1e-5), (r["zoo"], ref)
         assert r["hf"] == pytest.approx(hf_ref, abs=1e-5), (r["hf"], hf_ref)
-        assert r["bitwise"] is True
+        assert r["zoo_z1"] == pytest.approx(ref, abs=1e-5), (r["zoo_z1"], ref)
+        assert r["bitwise"] is True and r["bitwise_back"] is True
         assert r["next_step"] < 1e-6
-    for losses, _ in four:
-        assert losses == pytest.approx(ref, abs=1e-5), (losses, ref)
+    for runs in four:
+        for losses, _ in runs:
+            assert losses == pytest.approx(ref, abs=1e-5), (losses, ref)
     ref_params = {k: p.detach() for k, p in spec.model.named_parameters()}
     _same_params(two[0]["zoo_params"], ref_params)  # type: ignore[arg-type]
-    _same_params(four[0][1], ref_params)  # type: ignore[arg-type]
+    _same_params(two[0]["zoo_z1_params"], ref_params)  # type: ignore[arg-type]
+    for _, params in four[0]:
+        _same_params(params, ref_params)  # type: ignore[arg-type]
     _same_params(two[0]["hf_params"], {k: p.detach() for k, p in hf_model.named_parameters()})  # type: ignore
     assert ref[-1] < ref[0] - 1e-3  # the runs train
     # what the planner charges for the counted step (one micro-batch of 4 samples at ep=2)
-    g = ir.trace(spec.model, spec.example_inputs, model_name=MODEL)
     _, c = ep_cost(g, CostModel(load_builtin("dgx-h100", nodes=1)), ep=2, tp=1, cp=1, micro_batch=4, dtype="float32")
     assert len(moe_regions(g)) == 2 and c.calls == 10
     assert all(r["a2a"] == c.calls for r in two), [r["a2a"] for r in two]

@@ -3,6 +3,8 @@ the expert shards, pins work."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from autopar import ir
@@ -93,3 +95,30 @@ def test_memory_expert_state_sharded_over_dp_over_ep() -> None:
     assert zero0.optimizer == pytest.approx(8 * (dense + experts / 8))
     with pytest.raises(ValueError, match="ep divide dp"):
         memory_breakdown(param_elems=1.0, zero=1, dp=6, expert_elems=1.0, ep=4, **kw)
+
+
+def test_every_plan_the_search_emits_for_a_moe_runs() -> None:
+    """The search never emits an ep plan the runtime refuses (before: ep with ZeRO >= 1 raised NotImplementedError):
+    every plan among the best 40 for the sparse MoE on two clusters passes the runtime's check, ep > 1 with
+    ZeRO 1-3 and with pp among them; ep > 1 is never paired with tp > 1 (no tensor-parallel rule for the grouped
+    matmuls), pinned or not."""
+    from autopar.codegen.runtime.expert_parallel import check_supported
+
+    spec = build("sparse-moe-tiny", batch=8, device="meta")
+    g = ir.trace(spec.model, spec.example_inputs, model_name="sparse-moe-tiny")
+    fast = {"workers": 1, "max_micro_batch": 1, "intra_op_time_limit_s": 1.0}
+    seen: set[tuple[int, int, int]] = set()
+    for prof, nodes in (("dgx-h100", 1), ("dgx-a100", 2)):
+        r = search(g, load_builtin(prof, nodes=nodes), PlanOptions(global_batch=64 * nodes, top_k=40, **fast))
+        for p in (r.best, *r.alternatives):
+            check_supported(p)
+            assert p.mesh.ep == 1 or p.mesh.tp == 1, p.mesh
+            if p.mesh.ep > 1:
+                seen.add((p.zero, min(p.mesh.pp, 2), p.mesh.tp))
+    assert {(1, 1, 1), (3, 1, 1), (1, 2, 1)} <= seen, seen
+    assert ep_choices(g, 8, tp=2) == [1] and ep_choices(g, 8, 2, tp=2) == [] and ep_choices(g, 8) == [1, 2, 4]
+    with pytest.raises(ValueError, match="no candidate"):
+        search(g, load_builtin("dgx-h100", nodes=1), PlanOptions(global_batch=64, pins={"ep": 2, "tp": 2}, **fast))
+    hand_made = search(g, load_builtin("dgx-h100", nodes=1), PlanOptions(global_batch=64, pins={"tp": 2}, **fast))
+    with pytest.raises(NotImplementedError, match="tp=1"):
+        check_supported(dataclasses.replace(hand_made.best, mesh=dataclasses.replace(hand_made.best.mesh, ep=2)))
