@@ -8,39 +8,35 @@ for bit where an uninterrupted run's are; the moved job's (resharded from dp=2 t
 from __future__ import annotations
 
 import json
+import os
 import shlex
+import signal
 import subprocess
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from cpu_cluster import cpu_ranks_profile
 
 from autopar.planner.cli import main
-from autopar.profiles import AlphaBeta, ClusterProfile, DeviceProfile, EfficiencyPoint, LinkProfile, save_profile
-from autopar.profiles.cost import COLLECTIVES
 
 pytestmark = pytest.mark.multiprocess
 
 
-def _cpu_cluster(path: Path) -> Path:
-    """One CPU process per node: slow compute, links fast enough that two ranks train a small MLP faster than one."""
-    def link(level: str) -> LinkProfile:
-        return LinkProfile(level=level, **{k: tuple(AlphaBeta(group_size=g, alpha_s=1e-5, busbw=1e10)  # type: ignore
-                                                    for g in ((2,) if k == "p2p" else (2, 4))) for k in COLLECTIVES})
+@dataclass
+class _Group:
+    """A started torchrun group and the file its stdout and stderr go to."""
 
-    dev = DeviceProfile(name="cpu-rank", memory_bytes=4 * 2**30, peak_flops={"float32": 2e8, "bfloat16": 2e8},
-                        matmul_efficiency={"default": (EfficiencyPoint(flops=1e5, efficiency=0.5),
-                                                       EfficiencyPoint(flops=1e8, efficiency=1.0))},
-                        memory_bandwidth=1e10, launch_overhead_s=1e-6, vector_flops=1e9)
-    save_profile(ClusterProfile(schema_version=1, name="cpu-ranks", source="synthetic: one CPU process per node",
-                                nodes=4, devices_per_node=1, device=dev,
-                                links={"intra_node": link("intra_node"), "inter_node": link("inter_node")}), path)
-    return path
+    proc: subprocess.Popen
+    log: Path
 
 
-def _run(cmd: list[str], report: Path) -> subprocess.Popen:
+def _run(cmd: list[str], report: Path) -> _Group:
     """The torchrun group ``autopar run`` would start for ``cmd`` (an ``autopar run PLAN --model M --steps N
     [--checkpoint-dir D] [--resume]`` line), started directly: its own group on a free port, this machine's processes
-    standing for the plan's nodes (one CLI process less per job than ``autopar run``)."""
+    standing for the plan's nodes (one CLI process less per job than ``autopar run``).  Its stdout and stderr go to
+    ``<report>.log``, kept beside the report (and printed by :func:`_wait` when anything fails)."""
     from autopar.ir.plan import load_plan
     from autopar.planner.run.torchrun import torchrun_command
 
@@ -51,18 +47,38 @@ def _run(cmd: list[str], report: Path) -> subprocess.Popen:
         worker += ["--resume"] if "--resume" in cmd else []
     line = torchrun_command(cmd[2], a["--model"], int(a["--steps"]), load_plan(cmd[2]).world_size,
                             worker_args=worker)
-    return subprocess.Popen(line, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = report.with_suffix(".log")
+    with log.open("w") as f:  # the child writes through its own copy of the descriptor
+        # its own session: on a failure or time-out _wait kills the whole group, torchrun's workers included
+        return _Group(subprocess.Popen(line, stdout=f, stderr=subprocess.STDOUT, start_new_session=True), log)
 
 
-def _wait(procs: dict[str, subprocess.Popen]) -> None:
+def _wait(groups: dict[str, _Group], timeout: float = 300.0) -> None:
+    """Wait for every torchrun group; when one fails or they run past ``timeout``, kill the rest and fail with each
+    group's exit status and the end of its log (the whole logs stay in the test's tmp_path)."""
+    deadline = time.monotonic() + timeout
     try:
-        for name, p in procs.items():
-            out = p.communicate(timeout=300)[0]
-            assert p.returncode == 0, f"{name}: {out[-3000:]}"
+        for g in groups.values():
+            if g.proc.wait(timeout=max(1.0, deadline - time.monotonic())) != 0:
+                break
+    except subprocess.TimeoutExpired:
+        pass
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
+        for g in groups.values():
+            if g.proc.poll() is None:
+                os.killpg(g.proc.pid, signal.SIGKILL)  # the session _run started: this group's processes only
+                g.proc.wait()
+    failed = [name for name, g in groups.items() if g.proc.returncode != 0]
+    if failed:
+        logs = "\n".join(f"--- {name}: exit {g.proc.returncode} (negative: killed by that signal, or by this test "
+                         f"after {timeout:.0f} s); {g.log}:\n{_tail(g.log)}" for name, g in groups.items())
+        print(logs)
+        pytest.fail(f"torchrun group(s) {failed} failed:\n{logs}")
+
+
+def _tail(path: Path, chars: int = 4000) -> str:
+    text = path.read_text(errors="replace") if path.exists() else "(no log)"
+    return text if len(text) <= chars else "...\n" + text[-chars:]
 
 
 def test_two_jobs_then_an_arrival_reallocates_and_resumes(tmp_path: Path, capsys: pytest.CaptureFixture[str],
@@ -70,7 +86,7 @@ def test_two_jobs_then_an_arrival_reallocates_and_resumes(tmp_path: Path, capsys
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("AUTOPAR_CACHE", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
-    prof = _cpu_cluster(tmp_path / "cpu.yaml")
+    prof = cpu_ranks_profile(tmp_path / "cpu.yaml")
     (tmp_path / "jobs.yaml").write_text("- {name: a, model: mlp-tiny, global_batch: 16, max_devices: 2}\n"
                                         "- {name: b, model: mlp-tiny, global_batch: 8, max_devices: 2}\n")
     (tmp_path / "c.yaml").write_text("- {name: c, model: gpt-tiny, global_batch: 4, max_devices: 1}\n")
