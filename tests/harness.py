@@ -22,8 +22,8 @@ from torch.distributed.tensor.debug import CommDebugMode
 from autopar import ir
 from autopar.profiles.profiler import free_port
 
-__all__ = ["COLWISE", "ROWWISE", "JobFailed", "collective_counts", "free_port", "make_plan", "megatron_shardings",
-           "parity_worker", "reference_step", "spawn", "spawn_jobs"]
+__all__ = ["COLWISE", "ROWWISE", "JobFailed", "collective_counts", "comm_mode", "free_port", "make_plan",
+           "megatron_shardings", "parity_worker", "reference_step", "spawn", "spawn_jobs"]
 
 COLWISE = ("qkv", "fc1", "w_gate", "w_up", "wq", "wk", "wv")
 """Linear modules that Megatron-LM shards by output features (S(0) on the weight)."""
@@ -231,6 +231,26 @@ def spawn_jobs(world: int, jobs: dict[str, tuple[Callable[..., Any], tuple[Any, 
                 failed[name] = JobFailed(f"job {name!r} on {world} ranks did not run: job {first!r} failed before "
                                          f"it: {error}")
         return JobResults(results, failed)
+
+
+def comm_mode() -> CommDebugMode:
+    """A ``CommDebugMode`` that can watch several forward passes of the same modules (a step of several
+    micro-batches).  torch 2.13's module tracker registers one more forward hook on a module each time it runs and
+    every one of them pops the tracker's parent list, so a module's second forward in one context raised
+    ``IndexError: list index out of range``; here a module's earlier hook is removed before the next is added."""
+    from torch.distributed.tensor.debug._comm_mode import _CommModeModuleTracker
+
+    class _Tracker(_CommModeModuleTracker):
+        def _fw_pre_hook(self, mod: torch.nn.Module, input: Any) -> None:
+            if not self.is_bw:
+                old = self.register_forward_hook_handles.pop(self._get_mod_name(mod), None)
+                if old is not None:
+                    old.remove()
+            super()._fw_pre_hook(mod, input)
+
+    cm = CommDebugMode()
+    cm.advanced_module_tracker = _Tracker()
+    return cm
 
 
 def collective_counts(cm: CommDebugMode) -> dict[str, int]:

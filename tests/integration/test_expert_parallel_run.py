@@ -1,7 +1,8 @@
 """Expert parallelism on CPU ranks (issue 14): ep=2 (2 ranks; ZeRO 0 and 1), ep=2 x edp=2 (4 ranks, dp=4; ZeRO 0,
 1 and 3) and the planner's ep=2 plans with cp=2 and with pp=2 (4 ranks, ZeRO-1) train the sparse MoE with the
 losses and the parameters (expert weights included) of one process; a tiny
-Hugging Face Mixtral trains under ep=2; the all_to_all calls are the ones the cost model charges; a checkpoint saved
+Hugging Face Mixtral trains under ep=2; the all_to_all calls are the ones the cost model charges (also in a step of
+2 micro-batches under ZeRO-1, counted by :func:`harness.comm_mode`); a checkpoint saved
 under ep=2 with ZeRO-1 loads under ep=1 (dp=2, ZeRO 0) bit for bit, and back."""
 
 from __future__ import annotations
@@ -12,11 +13,10 @@ import os
 
 import pytest
 import torch
-from torch.distributed.tensor.debug import CommDebugMode
 
 from autopar import ir
 
-from harness import collective_counts, make_plan, planned, program_losses, sgd_losses, spawn
+from harness import collective_counts, comm_mode, make_plan, planned, program_losses, sgd_losses, spawn
 from outside_models import tiny
 
 pytestmark = pytest.mark.multiprocess
@@ -33,15 +33,30 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 _GRAPH: dict[str, ir.Graph] = {}
 
 
-def _zoo(dp: int, ep: int, zero: int = 0):  # -> (spec, graph, plan)
+def _zoo(dp: int, ep: int, zero: int = 0, n_micro: int = 1):  # -> (spec, graph, plan)
     from autopar.zoo import build
 
     spec = build(MODEL, batch=B, device="cpu", seed=0)
     if MODEL not in _GRAPH:
         _GRAPH[MODEL] = ir.trace(spec.model, spec.example_inputs, model_name=MODEL)
     g = _GRAPH[MODEL]
-    plan = make_plan(g, dp=dp, micro_batch=B // dp, zero=zero)
+    plan = make_plan(g, dp=dp, micro_batch=B // dp // n_micro, num_microbatches=n_micro, zero=zero)
     return spec, g, dataclasses.replace(plan, mesh=ir.MeshPlan(dp=dp, ep=ep))
+
+
+def _train(prog: object) -> tuple[list[float], int]:
+    """SGD steps of the sparse MoE: (losses, all_to_all calls of the first step)."""
+    opt = torch.optim.SGD(prog.parameters(), lr=LR)  # type: ignore[attr-defined]
+    losses, a2a = [], 0
+    for step in range(STEPS):
+        with comm_mode() if step == 0 else contextlib.nullcontext() as cm:
+            losses.append(prog.step(*_batch(step)))  # type: ignore[attr-defined]
+        if step == 0:  # the counts exchange (c10d alltoall_base) and the differentiable dispatch/combine
+            counts = collective_counts(cm)
+            a2a = counts.get("alltoall_base", 0) + counts.get("all_to_all_single", 0)
+        opt.step()
+        opt.zero_grad()
+    return losses, a2a
 
 
 def _two_ranks(rank: int, root: str) -> dict[str, object]:
@@ -51,22 +66,13 @@ def _two_ranks(rank: int, root: str) -> dict[str, object]:
     out: dict[str, object] = {}
     spec, g, plan = _zoo(2, 2)
     prog = build_program(plan, spec, graph=g)
-    opt = torch.optim.SGD(prog.parameters(), lr=LR)
-    losses = []
-    for step in range(STEPS):
-        with CommDebugMode() if step == 0 else contextlib.nullcontext() as cm:
-            losses.append(prog.step(*_batch(step)))
-        if step == 0:  # the counts exchange (c10d alltoall_base) and the differentiable dispatch/combine
-            counts = collective_counts(cm)
-            out["a2a"] = counts.get("alltoall_base", 0) + counts.get("all_to_all_single", 0)
-        opt.step()
-        opt.zero_grad()
-    out["zoo"] = losses
+    out["zoo"], out["a2a"] = _train(prog)
     params = prog.gathered_state_dict()  # the expert weights' updates too, not only the losses
     out["zoo_params"] = params if rank == 0 else None
-    spec, g, plan = _zoo(2, 2, zero=1)  # ZeRO-1: experts FSDP-sharded over their (1-rank) edp group
+    # ZeRO-1 (experts FSDP-sharded over their 1-rank edp group), 2 micro-batches of 2 samples per rank
+    spec, g, plan = _zoo(2, 2, zero=1, n_micro=2)
     z1 = build_program(plan, spec, graph=g)
-    out["zoo_z1"] = program_losses(z1, _batch, STEPS, LR)
+    out["zoo_z1"], out["a2a_z1"] = _train(z1)
     z1_params = z1.gathered_state_dict()
     out["zoo_z1_params"] = z1_params if rank == 0 else None
     # Hugging Face Mixtral (grouped_mm_fallback experts, torch.export capture) under ep=2
@@ -163,3 +169,5 @@ def test_expert_parallel_parity_counts_and_checkpoint(tmp_path: os.PathLike[str]
     _, c = ep_cost(g, CostModel(load_builtin("dgx-h100", nodes=1)), ep=2, tp=1, cp=1, micro_batch=4, dtype="float32")
     assert len(moe_regions(g)) == 2 and c.calls == 10
     assert all(r["a2a"] == c.calls for r in two), [r["a2a"] for r in two]
+    _, c2 = ep_cost(g, CostModel(load_builtin("dgx-h100", nodes=1)), ep=2, tp=1, cp=1, micro_batch=2, dtype="float32")
+    assert all(r["a2a_z1"] == 2 * c2.calls for r in two), [r["a2a_z1"] for r in two]  # per micro-batch
