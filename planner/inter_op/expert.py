@@ -24,6 +24,9 @@ al. 2022; GShard, Lepikhin et al. 2021), per layer group and micro-batch, on an 
   :func:`autopar.zoo.routing_histogram`), the busiest ep rank (experts dealt out in contiguous blocks of ``E/ep``)
   receives ``ep * max_r sum_{e in r} w_e`` times the mean, and every rank waits for it: the experts' matmul time and
   the dispatch bytes are scaled by that factor (1 for uniform load);
+* tensor parallelism: none.  ``ep > 1`` is searched with ``tp = 1`` only (:func:`ep_choices`): the grouped matmuls
+  have no tensor-parallel rule, and the runtime runs every ep plan the search emits (ZeRO 0-3, pp, cp) but not ep
+  with tp (:mod:`autopar.codegen.runtime.expert_parallel`);
 * memory: the received rows of each region (``S x h``, times the imbalance) and the combine's input are kept for
   backward: ``2 S h`` elements per region on top of the traced activations.
 """
