@@ -29,7 +29,8 @@ the expert shard group covers every token once; it is divided by ``dp * cp``, as
 the other parameters.  ZeRO 0: one flattened all-reduce over the shard group (:func:`sync_expert_grads`).
 ZeRO >= 1: each region submodule is its own FSDP2 unit on the shard group (``fully_shard`` takes the ep DTensors
 and shards them further, a 2-D (shard, ep) layout as for FSDP x TP), reduce-scattering with the divide factor
-``dp * cp`` instead of its group size; the rest of the group is sharded over the whole dp (x cp) mesh as without ep.
+``dp * cp`` instead of its group size (a one-rank group: divided after the backward); the rest of the group is
+sharded over the whole dp (x cp) mesh as without ep.
 Expert parameters, gradients and optimizer state are thus sharded over the ranks holding the same experts, the
 others over all dp ranks: the layout :func:`autopar.planner.inter_op.memory.memory_breakdown` charges
 (``expert_elems``, ``ep``).  ZeRO-3 frees the gathered experts after the region's forward and gathers them again
@@ -129,6 +130,7 @@ class ExpertParallel:
         """The ranks holding the same experts (edp x cp): their gradient sum, their ZeRO shards."""
         self.regions: list[nn.Module] = []
         self._sharded: dict[int, nn.Parameter] = {}
+        self._divide_after = 1.0
 
     @property
     def layout(self) -> tuple[int, int, int, int]:
@@ -174,16 +176,26 @@ class ExpertParallel:
         (module docstring).  Call before the enclosing groups are sharded."""
         from torch.distributed.fsdp import fully_shard
 
+        one = self.shard_mesh.size() == 1
         for r in self.regions:
             fully_shard(r, mesh=self.shard_mesh, reshard_after_forward=zero >= 3, mp_policy=policy)
-            r.set_gradient_divide_factor(float(self.dp * self.cp))  # type: ignore[operator]
-            if self.shard_mesh.size() > 1:
-                # a plain sum and a division after it: gloo has no pre-multiplied sum.  (Not on one rank: FSDP2
-                # divides a single rank's gradient by the factor itself, and would then divide once more.)
+            if not one:  # a plain sum and a division after it (gloo has no pre-multiplied sum)
+                r.set_gradient_divide_factor(float(self.dp * self.cp))  # type: ignore[operator]
                 r.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+        # One rank per shard group (dp = ep, cp = 1): FSDP2 reduces nothing, and with a divide factor it would
+        # divide such a gradient by it more than once (torch 2.13), so the program divides after the backward.
+        self._divide_after = float(self.dp * self.cp) if one else 1.0
+
+    @torch.no_grad()
+    def finish_fsdp_grads(self) -> None:
+        """ZeRO >= 1, after the step's backward: the division FSDP2 was not asked for (:meth:`fully_shard`)."""
+        if self._divide_after != 1.0:
+            for p in self.parameters():
+                if p.grad is not None:
+                    p.grad.div_(self._divide_after)
 
     def _shard_param(self, full: nn.Parameter) -> nn.Parameter:
-        """The ep-sharded ``Shard(0)`` DTensor parameter for a stacked expert weight (meta: filled after ``to_empty``)."""
+        """The ep-sharded ``Shard(0)`` DTensor parameter of a stacked expert weight (meta: filled after ``to_empty``)."""
         if id(full) in self._sharded:
             return self._sharded[id(full)]
         if full.shape[0] % self.ep:

@@ -259,9 +259,11 @@ class ParallelProgram:
     def _sync_grads(self) -> None:
         experts = {id(p) for p in self._ep.parameters()} if self._ep is not None else set()
         params = [p for p in self.parameters() if id(p) not in experts]  # experts sync over their shard group
+        if self._ep is not None and self._fsdp:
+            self._ep.finish_fsdp_grads()
+        elif self._ep is not None:
+            epm.sync_expert_grads(self._ep)
         if not self._fsdp:
-            if self._ep is not None:
-                epm.sync_expert_grads(self._ep)
             dpm.fix_grad_placements(params)
             if self.plan.mesh.dp * self.plan.mesh.cp > 1:  # cp ranks hold the same parameters, too
                 group = self.mesh["dp"] if self._cp is None else self._cp.grad_mesh
