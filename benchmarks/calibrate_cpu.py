@@ -9,8 +9,8 @@
    and other work on the machine shares them too), instead of a second, noisier device measurement.  Each profile
    carries each op kind's eager overhead (``op_overhead``), so that one fitted ``overhead`` factor carries from the
    fitted model to a model whose ops are of other kinds.
-2. Fit: the planner's pure-DP (``pp=1 dp=2 tp=1 zero=0``, global batch 4 and 16) and pure-TP (``tp=2``, batch 8)
-   plans of ``--fit-model`` on 2 ranks run under ``autopar calibrate``'s attribution
+2. Fit: the planner's pure-DP (``pp=1 dp=2 tp=1 zero=0``, global batch 4 and 16), ZeRO-1 DP (``zero=1``, FSDP2,
+   batch 8) and pure-TP (``tp=2``, batch 8) plans of ``--fit-model`` on 2 ranks run under ``autopar calibrate``'s attribution
    (:func:`autopar.planner.calibrate.measure_plan`) and the factors are fitted to them
    (:func:`autopar.planner.calibrate.calibrate_loop`: a plan whose shardings the fit changes is re-planned, run and
    fitted again).  The 2-rank fitted profile is the 2-rank base with the factors; the 4-rank one is the 4-rank base
@@ -46,9 +46,10 @@ from autopar.profiles.schema import ClusterProfile, load_profile, save_profile
 from autopar.zoo import build
 
 _DP2, _TP2 = {"pp": 1, "dp": 2, "tp": 1, "zero": 0}, {"pp": 1, "dp": 1, "tp": 2}
-FIT = {"dp=2 b4": (4, _DP2), "dp=2 b16": (16, _DP2), "tp=2 b8": (8, _TP2)}
+FIT = {"dp=2 b4": (4, _DP2), "dp=2 b16": (16, _DP2), "dp=2 z1 b8": (8, {**_DP2, "zero": 1}), "tp=2 b8": (8, _TP2)}
 """Fit runs: (global batch, pins).  Two batch sizes of the dp=2 plan separate the per-op overhead (the same at any
-batch) from the arithmetic (proportional to it); the held-out plans run at ``--batch``."""
+batch) from the arithmetic (proportional to it); the ZeRO-1 dp=2 run (FSDP2) fits FSDP2's eager work (``fsdp``);
+the held-out plans run at ``--batch``."""
 HELD_OUT = {"pp=2": (2, {"pp": 2, "dp": 1, "tp": 1}), "dp=2 x tp=2": (4, {"pp": 1, "dp": 2, "tp": 2}),
             "pp=2 x dp=2": (4, {"pp": 2, "dp": 2, "tp": 1})}
 
@@ -173,7 +174,8 @@ def main() -> int:
     print(f"4-rank device: the 2-rank device time-sliced x{slicing:.3g} (4 vs 2 processes of one workload at once: "
           f"{t4 * 1e3:.0f} / {t2 * 1e3:.0f} ms); per-op overhead by kind (x launch_overhead_s "
           f"{base[2].device.launch_overhead_s * 1e6:.2f} us): "
-          + ", ".join(f"{k} {v:.2f}" for k, v in sorted(base[2].device.op_overhead.items())))
+          + ", ".join(f"{k} {v:.2f}" for k, v in sorted(base[2].device.op_overhead.items()))
+          + "; runtime: " + ", ".join(f"{k} {v:.3g}" for k, v in sorted(base[2].device.runtime_overhead.items())))
     print("fitted factors: " + ", ".join(f"{k} x{v:.3g}" for k, v in total.items()))
     print(f"{'plan':36}{'choices':44}{'base ms':>9}{'fit ms':>9}{'meas ms':>9}{'m/base':>8}{'m/fit':>8}"
           "   fit compute/comm/bubble ms | measured compute/comm/p2p+bubble (busiest rank)")

@@ -60,9 +60,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-FIT_FACTORS = ("matmul", "vector", "memory", "overhead", "dtensor", "overlap")
+FIT_FACTORS = ("matmul", "vector", "memory", "overhead", "dtensor", "fsdp", "overlap")
 """Device factors fitted by default (``overlap`` where the schema has it, ``dtensor`` when a plan runs tensor
-parallelism); ``link.alpha``/``link.beta`` are added when the plans communicate (see :func:`calibrate`)."""
+parallelism, ``fsdp`` when one runs FSDP2, ZeRO >= 1 with dp > 1); ``link.alpha``/``link.beta`` are added when the
+plans communicate (see :func:`calibrate`)."""
 _OBS = ("compute", "comm", "optimizer", "total")
 
 
@@ -188,7 +189,9 @@ def calibrate(base: ClusterProfile, runs: Sequence[tuple[Plan, Graph, RunMeasure
     if names is None:
         links = ["link.alpha", "link.beta"] if any(p.world_size > 1 for p, _, _ in runs) else []
         tp = any(p.mesh.tp > 1 for p, _, _ in runs)
-        names = [n for n in factor_names((), base) if n in FIT_FACTORS and (tp or n != "dtensor")] + links
+        fsdp = any(p.zero >= 1 and p.mesh.dp * p.mesh.cp > 1 for p, _, _ in runs)
+        names = [n for n in factor_names((), base) if n in FIT_FACTORS and (tp or n != "dtensor")
+                 and (fsdp or n != "fsdp")] + links
     measured, scale = [], []
     for _, _, m in runs:
         measured += measured_observation(m)

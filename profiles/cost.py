@@ -260,6 +260,24 @@ class CostModel:
         dev = self.profile.device
         return dev.launch_overhead_s * max(dev.sharded_op_overhead - 1.0, 0.0)
 
+    def runtime_overhead(self, kind: str) -> float:
+        """Seconds of the runtime's eager work ``kind`` (``DeviceProfile.runtime_overhead``; 0 when not measured)."""
+        dev = self.profile.device
+        return dev.launch_overhead_s * dev.runtime_overhead.get(kind, 0.0)
+
+    def optimizer_eager(self, tensors: float, dtensor: bool) -> float:
+        """Eager time of one optimizer step over ``tensors`` parameter tensors, on DTensor parameters (tensor
+        parallelism, FSDP: DTensor's dispatch on every op of the step) when ``dtensor``."""
+        table = self.profile.device.runtime_overhead
+        per = table.get("optimizer_dtensor", table.get("optimizer_tensor", 0.0)) if dtensor else \
+            table.get("optimizer_tensor", 0.0)
+        return tensors * per * self.profile.device.launch_overhead_s
+
+    def fsdp_eager(self, units: float, tensors: float) -> float:
+        """Eager time of FSDP2's hooks for one micro-batch's forward and backward over ``units`` units holding
+        ``tensors`` parameter tensors (its collectives excluded)."""
+        return units * self.runtime_overhead("fsdp_unit") + tensors * self.runtime_overhead("fsdp_tensor")
+
     def matmul_time(
         self,
         flops: float | None = None,

@@ -89,6 +89,124 @@ def _op_overheads(device: torch.device, sync: Callable[[], None], repeats: int, 
     return out
 
 
+def _runtime_overheads(device: torch.device, sync: Callable[[], None], repeats: int, per_pass: float,
+                       tensors: int = 32, units: int = 8) -> dict[str, float]:
+    """The training runtime's eager work beyond the model's ops (``DeviceProfile.runtime_overhead``), in units of
+    ``per_pass``: AdamW's step per parameter tensor (the worker's optimizer) on plain tensors and, in a one-rank
+    process group (:func:`measure_runtime_overheads`), on DTensor ones (as tensor parallelism and FSDP hold them);
+    in that group also FSDP2's per-unit and per-tensor work for one forward and backward (``fully_shard`` on the
+    one-rank mesh, so that its collectives cost next to nothing: ``units`` units of 1 and of 8 tiny linears, each
+    against the same modules unsharded) and the pipeline
+    schedule's work per stage and micro-batch (:func:`_pipeline_overhead`)."""
+    import torch.distributed as dist
+
+    def adamw(wrap: Callable[[torch.Tensor], torch.Tensor]) -> float:
+        params = [torch.nn.Parameter(wrap(torch.ones(8, 8, device=device))) for _ in range(tensors)]
+        for q in params:
+            q.grad = torch.ones_like(q)
+        opt = torch.optim.AdamW(params, lr=1e-6)
+        return _time_calls(opt.step, sync, repeats, 5) / tensors / per_pass
+
+    out = {"optimizer_tensor": adamw(lambda t: t)}
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        group = dist.group.WORLD
+        mesh = DeviceMesh.from_group(group, device.type)
+        out["optimizer_dtensor"] = adamw(lambda t: distribute_tensor(t, mesh, [Shard(0)]))
+        out.update(_fsdp_overheads(device, sync, repeats, per_pass, units, group))
+        out["pipeline_microbatch"] = _pipeline_overhead(device, sync, repeats, group) / per_pass
+    return out
+
+
+def _runtime_worker(queue: Any, threads: int, repeats: int) -> None:
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    with tempfile.TemporaryDirectory(prefix="autopar-runtime-") as d:
+        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(d, "store"), 1), rank=0, world_size=1)
+        try:
+            cpu, sync = torch.device("cpu"), (lambda: None)
+            queue.put(_runtime_overheads(cpu, sync, repeats, _training_op_overhead(cpu, sync, repeats)))
+        finally:
+            dist.destroy_process_group()
+
+
+def measure_runtime_overheads(*, threads: int = 1, repeats: int = 5) -> dict[str, float]:
+    """:func:`_runtime_overheads` on CPU in a process of its own (a one-rank gloo group), relative to the op cost
+    per pass measured in that process: the ``runtime_overhead`` of a CPU profile."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_runtime_worker, args=(queue, threads, repeats))
+    proc.start()
+    try:
+        return dict(queue.get(timeout=600))
+    finally:
+        proc.join()
+
+
+def _pipeline_overhead(device: torch.device, sync: Callable[[], None], repeats: int, group: Any,
+                       microbatches: int = 4) -> float:
+    """Seconds per micro-batch that ``torch.distributed.pipelining``'s schedule adds to one stage's forward and
+    backward (input/output bookkeeping, the stage's backward call, the loss per micro-batch): a one-stage 1F1B
+    schedule on a one-rank group (no sends) against the same micro-batches run in a plain loop."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    m = microbatches
+    net = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)]).to(device)
+    x, tgt = torch.ones(2 * m, 8, device=device), torch.zeros(2 * m, device=device)
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return out.sum() + 0 * target.sum()
+
+    stage = PipelineStage(net, 0, 1, device, group=group, input_args=(torch.empty(2, 8, device=device),),
+                          output_args=(torch.empty(2, 8, device=device),))
+    schedule = Schedule1F1B(stage, n_microbatches=m, loss_fn=loss_fn)
+
+    def plain() -> None:
+        for xi, ti in zip(torch.chunk(x, m), torch.chunk(tgt, m)):
+            (loss_fn(net(xi), ti) / m).backward()
+
+    def scheduled() -> None:
+        schedule.step(x, target=tgt, losses=[])
+
+    return max(_time_calls(scheduled, sync, repeats, 5) - _time_calls(plain, sync, repeats, 5), 0.0) / m
+
+
+def _fsdp_overheads(device: torch.device, sync: Callable[[], None], repeats: int, per_pass: float,
+                    units: int, group: Any) -> dict[str, float]:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(group, device.type)
+    x = torch.ones(2, 8, device=device)
+
+    def timed(per_unit: int, shard: bool) -> float:
+        net = torch.nn.Sequential(*[torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(per_unit)])
+                                    for _ in range(units)]).to(device)
+        if shard:  # ZeRO-1/2 as the runtime applies it: every unit, then the root; gathered from forward to backward
+            for u in net:
+                fully_shard(u, mesh=mesh, reshard_after_forward=False)
+            fully_shard(net, mesh=mesh, reshard_after_forward=False)
+
+        def step() -> None:
+            net(x).sum().backward()
+            for q in net.parameters():
+                q.grad = None
+        return _time_calls(step, sync, max(repeats, 5), 5)
+
+    extra = {k: max(timed(k, True) - timed(k, False), 0.0) for k in (1, 8)}
+    per_tensor = max(extra[8] - extra[1], 0.0) / (2 * 7 * units)  # a linear holds 2 tensors
+    per_unit = max(extra[1] - 2 * per_tensor * units, 0.0) / (units + 1)  # the root is a unit too
+    return {"fsdp_unit": per_unit / per_pass, "fsdp_tensor": per_tensor / per_pass}
+
+
 def _time_calls(fn: Callable[[], Any], sync: Callable[[], None], repeats: int, inner: int) -> float:
     fn()
     sync()

@@ -13,7 +13,10 @@ a real run):
   (no autograd) is also timed and is what matmul timings are corrected by; and, per op kind of the IR (linear,
   layer norm, attention, pointwise, reduction, view, cat, embedding), a chain of tiny such ops against the same chain
   without them, stored as ``op_overhead`` in units of the launch overhead (an ``nn.Linear`` costs about twice a
-  multiply per pass here, a view about half);
+  multiply per pass here, a view about half); on CPU also the runtime's eager work beyond the model's ops
+  (``runtime_overhead``: AdamW's step per parameter tensor and the ops it dispatches, FSDP2's hooks per unit and
+  per parameter tensor, the pipeline schedule's work per micro-batch; in one process of its own, a one-rank gloo
+  group, relative to its own op cost per pass);
 - collectives over message sizes (1 KiB .. 64 MiB by powers of 4; ``quick``: 1 KiB .. 1 MiB) on groups of
   2, 4, .. ``ranks`` ranks: ``all_reduce``, ``all_gather_single`` / ``reduce_scatter_single`` (the
   ``*_into_tensor`` / ``*_tensor`` forms on older torch) and
@@ -52,6 +55,7 @@ from autopar.profiles.eager import (  # noqa: F401  (re-exported: the profiler's
     _op_overheads,
     _time_calls,
     _training_op_overhead,
+    measure_runtime_overheads,
     oversubscribed,
     time_concurrent,
 )
@@ -385,6 +389,10 @@ def _measure(opts: ProfileOptions) -> tuple[ClusterProfile, dict[str, Any]]:
         log.info("profiling with %d %s rank(s)%s", opts.ranks, backend, " (quick)" if opts.quick else "")
         mp.spawn(_worker, args=(opts, free_port(), backend, result), nprocs=opts.ranks, join=True)
         data = json.loads(Path(result).read_text())
+    if backend == "gloo":  # the runtime's eager work, in a one-rank process group of its own
+        dev = data["device"]
+        dev["runtime_overhead"] = measure_runtime_overheads(threads=data["threads"], repeats=opts.repeats or 5)
+        dev["sources"]["runtime_overhead"] = dev["sources"]["op_overhead"] + " (one process)"
     links: dict[str, Any] = {}
     if data["links"] is not None:
         links["intra_node"] = data["links"]["tables"]

@@ -14,6 +14,8 @@ factor                 what it multiplies (time of ...)
 ``overhead``           the fixed per-op cost of an eager training step (``launch_overhead_s`` multiplied)
 ``dtensor``            an op's eager cost on tensor-parallel (DTensor) operands over a plain op's
                        (``sharded_op_overhead`` multiplied; 1 at the base: no extra dispatch)
+``fsdp``               FSDP2's eager work per unit and parameter tensor (``runtime_overhead`` ``fsdp_unit`` and
+                       ``fsdp_tensor`` multiplied)
 ``link.alpha``         the latency term of every collective, on every level and group size (not p2p)
 ``link.beta``          the bandwidth term of every collective (``busbw`` divided by the factor; not p2p)
 ``<coll>.alpha``       the latency term of collective ``<coll>`` alone (on top of ``link.alpha``)
@@ -58,7 +60,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-DEVICE_FACTORS: tuple[str, ...] = ("matmul", "vector", "memory", "overhead", "dtensor")
+DEVICE_FACTORS: tuple[str, ...] = ("matmul", "vector", "memory", "overhead", "dtensor", "fsdp")
 OVERLAP_FIELD = "overlap_slowdown"
 """The device field of the overlap coefficient (compute slowdown under communication), in [0, 1]."""
 _LIMIT = math.log(1e4)  # factors stay within [1e-4, 1e4]
@@ -123,6 +125,10 @@ def apply_factors(profile: ClusterProfile, factors: Mapping[str, float], *, note
     if f.get("dtensor", 1.0) != 1.0:
         changes["sharded_op_overhead"] = dev.sharded_op_overhead * f["dtensor"]
         sources["sharded_op_overhead"] = f"{tag} (x{f['dtensor']:.4g})"
+    if f.get("fsdp", 1.0) != 1.0:
+        changes["runtime_overhead"] = {k: v * (f["fsdp"] if k.startswith("fsdp_") else 1.0)
+                                       for k, v in dev.runtime_overhead.items()}
+        sources["runtime_overhead"] = f"{sources.get('runtime_overhead', '')}; {tag} (fsdp x{f['fsdp']:.4g})".lstrip("; ")
     if f.get("overlap", 1.0) != 1.0:
         value = min(1.0, max(0.0, getattr(dev, OVERLAP_FIELD) + f["overlap"] - 1.0))
         changes[OVERLAP_FIELD] = value

@@ -76,6 +76,9 @@ OP_KINDS: tuple[str, ...] = (
     "view", "other",
 )
 """The IR op kinds the cost model costs (``profiles.cost``), and a device's ``op_overhead`` keys."""
+RUNTIME_KINDS: tuple[str, ...] = ("optimizer_tensor", "optimizer_dtensor", "fsdp_unit", "fsdp_tensor",
+                                  "pipeline_microbatch")
+"""A device's ``runtime_overhead`` keys (see :class:`DeviceProfile`)."""
 DTYPES: tuple[str, ...] = ("float32", "tf32", "float16", "bfloat16")
 Level = Literal["intra_node", "inter_node"]
 
@@ -152,6 +155,15 @@ class DeviceProfile:
     each backward kernel), in units of ``launch_overhead_s``.  A kind not listed costs 1 (views: 0).  On CPU an
     ``nn.Linear`` (module call, addmm, transposes, bias-gradient sum, two gradient accumulations) costs several
     times a scalar multiply; ``autopar profile`` measures each kind with a chain of tiny autograd ops."""
+    runtime_overhead: dict[str, float] = field(default_factory=dict)
+    """Eager costs of the training runtime beyond the model's ops, in ``launch_overhead_s`` units (missing: 0, as
+    on GPUs, where this host work runs ahead of the kernels): ``optimizer_tensor``, one parameter tensor's optimizer
+    step (AdamW's per-tensor path on plain tensors); ``optimizer_dtensor``, the same on DTensor parameters (tensor
+    parallelism, FSDP), where each op of the step pays DTensor's dispatch;
+    ``fsdp_unit`` and ``fsdp_tensor``, FSDP2's per-micro-batch work per unit and per parameter tensor (pre/post
+    forward and backward hooks, all-gather copy-in/out, reduce-scatter copy-in, DTensor wrapping; collectives
+    excluded); ``pipeline_microbatch``, the pipeline schedule's work per stage and micro-batch (the stage's
+    input/output bookkeeping and its backward call)."""
     sources: dict[str, str] = field(default_factory=dict)
     """Field name -> where its number comes from."""
 
@@ -284,11 +296,11 @@ def _seq_efficiency(v: Any, path: str) -> tuple[SeqEfficiencyPoint, ...]:
     return tuple(pts)
 
 
-def _op_overhead(v: Any, path: str) -> dict[str, float]:
+def _op_overhead(v: Any, path: str, kinds: tuple[str, ...] = OP_KINDS) -> dict[str, float]:
     out = {}
     for k, x in _mapping(v, path).items():
-        if k not in OP_KINDS:
-            raise _fail(f"{path}.{k}", f"unknown op kind (allowed: {', '.join(OP_KINDS)})")
+        if k not in kinds:
+            raise _fail(f"{path}.{k}", f"unknown kind (allowed: {', '.join(kinds)})")
         out[str(k)] = _num(x, f"{path}.{k}", allow_zero=True)
     return out
 
@@ -297,7 +309,7 @@ def _device(v: Any, path: str) -> DeviceProfile:
     d = _mapping(v, path)
     req = {"name", "memory_bytes", "peak_flops", "matmul_efficiency", "memory_bandwidth", "launch_overhead_s"}
     _keys(d, path, req, {"vector_flops", "sustained_fraction", "overlap_slowdown", "causal_attention_efficiency",
-                         "sharded_op_overhead", "op_overhead", "sources"})
+                         "sharded_op_overhead", "op_overhead", "runtime_overhead", "sources"})
     pf_path = _join(path, "peak_flops")
     peak = {_dtype(k, f"{pf_path}.{k}"): _num(x, f"{pf_path}.{k}") for k, x in _mapping(d["peak_flops"], pf_path).items()}
     if not peak:
@@ -330,6 +342,7 @@ def _device(v: Any, path: str) -> DeviceProfile:
         overlap_slowdown=slow,
         sharded_op_overhead=_num(d.get("sharded_op_overhead", 1.0), _join(path, "sharded_op_overhead")),
         op_overhead=_op_overhead(d.get("op_overhead", {}), _join(path, "op_overhead")),
+        runtime_overhead=_op_overhead(d.get("runtime_overhead", {}), _join(path, "runtime_overhead"), RUNTIME_KINDS),
         causal_attention_efficiency=_seq_efficiency(d.get("causal_attention_efficiency", []),
                                                     _join(path, "causal_attention_efficiency")),
         sources=_str_map(d.get("sources", {}), _join(path, "sources")),
@@ -392,6 +405,8 @@ def profile_to_dict(profile: ClusterProfile) -> dict[str, Any]:
             device[key] = getattr(dev, key)
     if dev.op_overhead:
         device["op_overhead"] = dict(dev.op_overhead)
+    if dev.runtime_overhead:
+        device["runtime_overhead"] = dict(dev.runtime_overhead)
     if dev.causal_attention_efficiency:
         device["causal_attention_efficiency"] = [{"seq": q.seq, "efficiency": q.efficiency}
                                                  for q in dev.causal_attention_efficiency]

@@ -43,6 +43,13 @@ copy in): ``4 S``.  The reduce-scatter's ``g`` copy kernels are issued before th
 ``launch_overhead_s`` each; the gather's follow it on its stream, and their issue overlaps the collective's own
 ring steps (only what is left over, ``g * launch - t_gather``, adds).  The group's size ``g`` is the dp degree:
 at thousands of ranks every reduce-scatter pays ``g`` launches, whatever its size.
+
+**FSDP2's eager work** (ZeRO >= 1): its hooks run on the host around every unit's forward and backward of every
+micro-batch (pre/post forward and backward hooks, the all-gather's copy-in and copy-out, the reduce-scatter's
+copy-in, DTensor wrapping of the sharded parameters and gradients), ``fsdp_unit`` per unit and ``fsdp_tensor`` per
+parameter tensor (:meth:`autopar.profiles.cost.CostModel.fsdp_eager`; measured by ``autopar profile``, 0 on GPU
+profiles, where this host work runs ahead of the kernels).  It is compute on the rank's timeline (``eager_s``), not
+hidden under communication.  ZeRO 3's second gather is charged the same per-unit cost (not measured apart).
 """
 
 from __future__ import annotations
@@ -68,10 +75,12 @@ class DpComm:
     """Compute time lost to overlapped communication (``kappa`` times the overlapped collective time)."""
     collective_s: float
     """Sum of all data-parallel collective times of the iteration (hidden or not), for reports."""
+    eager_s: float = 0.0
+    """FSDP2's eager (host) work of the iteration: compute time the rank spends in its hooks."""
 
     @property
     def total_s(self) -> float:
-        return self.exposed_s + self.contention_s
+        return self.exposed_s + self.contention_s + self.eager_s
 
 
 def overlap_step(x: float, c: float, kappa: float) -> tuple[float, float]:
@@ -90,7 +99,7 @@ def _chain(x: float, c: float, steps: int, kappa: float) -> tuple[float, float]:
 def dp_comm(cost: CostModel, *, params: float, units: int, fwd_s: float, bwd_s: float, num_microbatches: int,
             dp: int, tp: int, zero: int, param_item: float, reduce_item: float, overlap: bool = True,
             coll: Collective | None = None, per_unit: float = 1.0, recompute_regather: bool = False,
-            list_form: bool | None = None) -> DpComm:
+            list_form: bool | None = None, param_tensors: float = 0.0) -> DpComm:
     """Data-parallel communication cost of one rank per iteration (see the module docstring).
 
     ``params``: parameter elements the rank holds before dp sharding; ``units``: its FSDP units (layer groups);
@@ -101,7 +110,8 @@ def dp_comm(cost: CostModel, *, params: float, units: int, fwd_s: float, bwd_s: 
     tensors for per-tensor implementations: each pays its own latency, the bytes are the same);
     ``recompute_regather``: ZeRO 3 gathers once more for the recomputed forward (implementations that release
     parameters after every forward, recomputed ones included); ``list_form``: the per-tensor collectives go through
-    ``torch.distributed``'s list API (see the module docstring; default: whenever ``per_unit > 1``)."""
+    ``torch.distributed``'s list API (see the module docstring; default: whenever ``per_unit > 1``);
+    ``param_tensors``: the rank's parameter tensors (FSDP2's per-tensor eager work)."""
     if dp <= 1 or params <= 0:
         return DpComm(0.0, 0.0, 0.0)
     if units < 1 or num_microbatches < 1:
@@ -134,8 +144,9 @@ def dp_comm(cost: CostModel, *, params: float, units: int, fwd_s: float, bwd_s: 
         rs += 4 * unit * reduce_item / dev.memory_bandwidth + k * launches
     gathers = (3 if recompute_regather else 2) if zero == 3 else 1
     per_mb = n * (gathers * ag + rs)
+    eager = m * cost.fsdp_eager(n, param_tensors) if per_unit <= 1.0 else 0.0  # FSDP2's hooks (not DeepSpeed's)
     if not overlap:
-        return DpComm(m * per_mb, 0.0, m * per_mb)
+        return DpComm(m * per_mb, 0.0, m * per_mb, eager)
     ef, kf = _chain(f, ag, n - 1, kappa)
     if zero == 3:
         ab = (gathers - 1) * ag
@@ -143,4 +154,4 @@ def dp_comm(cost: CostModel, *, params: float, units: int, fwd_s: float, bwd_s: 
         eb += ab
     else:
         eb, kb = _chain(b, rs, n - 1, kappa)
-    return DpComm(m * (ag + ef + eb + rs), m * (kf + kb), m * per_mb)
+    return DpComm(m * (ag + ef + eb + rs), m * (kf + kb), m * per_mb, eager)

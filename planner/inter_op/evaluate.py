@@ -34,13 +34,13 @@ from autopar.planner.inter_op.memory import memory_breakdown, model_state_bytes
 from autopar.planner.inter_op.partition import partition_stages, rank_chunks
 from autopar.planner.inter_op.schedule import ScheduleResult, simulate
 from autopar.planner.inter_op.screen import (
-    ADAM_STEP_BYTES,
     LayerTable,
     Screened,
     block_paths,
     dp_time,
     group_placements,
     in_flight,
+    optimizer_time,
     reserve_for,
 )
 from autopar.planner.intra_op.cpsat import CPSAT_WORKERS
@@ -134,6 +134,9 @@ def evaluate_stages(table: LayerTable, s: Screened, cost: CostModel, options: Pl
         fwd.append(sum(tab.fwd[a:b]))
         bwd.append(sum(tab.bwd[a:b]) + sum(tab.recompute_fwd[rc][a:b]))
         tp_comm[k % pp] += sum(sol.fwd_comm_s + sol.bwd_comm_s for sol in tab.solutions[a:b])
+    if pp > 1:  # the pipeline schedule's eager work per chunk and micro-batch, half in each pass
+        pm = [tc[k % pp][1].runtime_overhead("pipeline_microbatch") / 2 for k in range(len(chunks))]
+        fwd, bwd = [f + x for f, x in zip(fwd, pm)], [b + x for b, x in zip(bwd, pm)]
     p2p = list(p2p_s) or [cost.p2p_time(table.out_bytes[b - 1], intra_node=p2p_intra) for _, b in chunks[:-1]]
     comms, opt = [], 0.0
     for r in range(pp):
@@ -141,14 +144,13 @@ def evaluate_stages(table: LayerTable, s: Screened, cost: CostModel, options: Pl
         mine = list(rank_chunks(chunks, pp, r))
         params = _rank_params(table, mine, n)
         ks = range(r, len(chunks), pp)
+        tensors = sum(sum(table.tensors[a:b]) for a, b in mine)
         comms.append(dp_time(cost, params=params, units=sum(b - a for a, b in mine), fwd_s=sum(fwd[k] for k in ks),
                              bwd_s=sum(bwd[k] for k in ks), m=c.num_microbatches, dp=c.grad_dp, tp=c.tp, zero=c.zero,
                              dtype=options.dtype, reduce_dtype=options.reduce_dtype,
                              overlap=options.overlap_grad_sync, recompute=rcs[r],
-                             tensors=sum(sum(table.tensors[a:b]) for a, b in mine)
-                             if options.dp_collectives == "tensor" else 0))
-        opt = max(opt, params * ADAM_STEP_BYTES / (c.grad_dp if c.zero >= 1 else 1)
-                  / cost.profile.device.memory_bandwidth)
+                             tensors=tensors if options.dp_collectives == "tensor" else 0, param_tensors=tensors))
+        opt = max(opt, optimizer_time(cost, params=params, tensors=tensors, zero=c.zero, dp=c.grad_dp, tp=c.tp))
     sim = simulate(fwd, bwd, pp=pp, num_microbatches=c.num_microbatches, schedule=c.schedule,  # type: ignore[arg-type]
                    virtual_stages=c.virtual_stages, p2p=p2p if p2p else 0.0, optimizer_s=opt,
                    with_events=False)
@@ -207,10 +209,11 @@ def assemble_plan(graph: Graph, options: PlanOptions, s: Screened, table: LayerT
     last = max(range(c.pp), key=lambda r: sim.rank_end_s[r])
     tail = max(sim.rank_end_s) - sim.pipeline_s
     contention = min(comms[last].contention_s, tail)
-    exposed = tp_comm[crit] + tail - contention
-    tb = TimeBreakdown(compute=busy - tp_comm[crit], exposed_comm=exposed, bubble=sim.bubble_s,
+    eager = min(comms[last].eager_s, tail - contention)  # FSDP2's hooks: compute on the rank's timeline
+    exposed = tp_comm[crit] + tail - contention - eager
+    tb = TimeBreakdown(compute=busy - tp_comm[crit] + eager, exposed_comm=exposed, bubble=sim.bubble_s,
                        optimizer=sim.optimizer_s, contention=contention,
-                       dp_exposed=min(comms[last].exposed_s, tail - contention),
+                       dp_exposed=min(comms[last].exposed_s, tail - contention - eager),
                        dp_collectives=max(x.collective_s for x in comms))
     stages = []
     for k, (a, b) in enumerate(chunks):

@@ -33,10 +33,20 @@ from autopar.planner.intra_op.solve import GroupSolution
 from autopar.profiles.cost import CostModel
 
 __all__ = ["LayerTable", "Candidate", "Screened", "layer_table", "screen", "ADAM_STEP_BYTES", "group_placements",
-           "in_flight", "reserve_for", "ScreenMemo", "block_paths", "dp_time", "divisors"]
+           "in_flight", "reserve_for", "ScreenMemo", "block_paths", "dp_time", "divisors",
+           "optimizer_time"]
 
 ADAM_STEP_BYTES = 28.0
 """Bytes an Adam step moves per parameter: fp32 master, m and v read+written (24) + gradient read + param write."""
+
+
+def optimizer_time(cost: CostModel, *, params: float, tensors: float, zero: int, dp: int, tp: int) -> float:
+    """One rank's optimizer step: its memory traffic (sharded over ``dp`` at ZeRO >= 1) and its eager work per
+    parameter tensor (:meth:`~autopar.profiles.cost.CostModel.optimizer_eager`), on DTensor parameters under tensor
+    parallelism or FSDP (ZeRO >= 1 with ``dp > 1``)."""
+    sharded = zero >= 1 and dp > 1
+    return (params * ADAM_STEP_BYTES / (dp if zero >= 1 else 1) / cost.profile.device.memory_bandwidth
+            + cost.optimizer_eager(tensors, dtensor=tp > 1 or sharded))
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,16 +256,17 @@ def reserve_for(cost: CostModel) -> MemoryReserve:
 
 def dp_time(cost: CostModel, *, params: float, units: int, fwd_s: float, bwd_s: float, m: int, dp: int, tp: int,
             zero: int, dtype: str, reduce_dtype: str, overlap: bool, memo: ScreenMemo | None = None,
-            tensors: int = 0, recompute: str = "none") -> DpComm:
+            tensors: int = 0, recompute: str = "none", param_tensors: float = 0.0) -> DpComm:
     """Data-parallel communication of one rank per iteration (:func:`autopar.planner.inter_op.dpcomm.dp_comm`),
     the one formula screening and exact evaluation share; ``memo`` memoizes its collective times.  ``tensors``:
     the rank's parameter tensors for a per-tensor implementation (``PlanOptions.dp_collectives == "tensor"``, which
-    also re-gathers for a full recompute), 0 for FSDP2's one collective per unit."""
+    also re-gathers for a full recompute), 0 for FSDP2's one collective per unit; ``param_tensors``: the rank's
+    parameter tensors (FSDP2's eager work per tensor)."""
     coll = None if memo is None else memo.collectives(cost, dp, tp)
     return dp_comm(cost, params=params, units=units, fwd_s=fwd_s, bwd_s=bwd_s, num_microbatches=m, dp=dp, tp=tp,
                    zero=zero, param_item=DTYPE_BYTES.get(dtype, 4), reduce_item=DTYPE_BYTES.get(reduce_dtype, 4),
                    overlap=overlap, coll=coll, per_unit=tensors / units if tensors else 1.0,
-                   recompute_regather=bool(tensors) and recompute == "full")
+                   recompute_regather=bool(tensors) and recompute == "full", param_tensors=param_tensors)
 
 
 class ScreenMemo:
@@ -345,18 +356,19 @@ def screen(cand: Candidate, table: LayerTable, cost: CostModel, *, dtype: str, c
     if got is None:
         return None
     chunks, sum_times, p2p, ranks, alike = got
+    pm = cost.runtime_overhead("pipeline_microbatch") if pp > 1 else 0.0  # the schedule's work per chunk and mb
     mixed = dtype != "float32"
     worst_end, peak = 0.0, 0.0
     flights = in_flight(cand.schedule, pp, m, v)
     reserve = reserve_for(cost)
     full = cand.recompute == "full"
     dp, tp, zero = cand.grad_dp, cand.tp, cand.zero  # cp ranks reduce gradients and shard ZeRO state with dp
-    bandwidth = cost.profile.device.memory_bandwidth
     # ranks with equal numbers differ only in their in-flight micro-batches: their dp communication is the same, and
     # memory grows with the activations, so the one holding the most micro-batches has the group's peak (float
     # products and sums of non-negative numbers are monotone: the same maximum as evaluating every rank)
     for group in alike:
         t, params, acts, extra, largest, fwd, units, tensors, largest_t = ranks[group[0]]
+        t, fwd = t + v * pm, fwd + v * pm / 2
         acts = acts * max(flights[r] for r in group)
         if full:
             acts += extra
@@ -369,10 +381,12 @@ def screen(cand: Candidate, table: LayerTable, cost: CostModel, *, dtype: str, c
         peak = max(peak, mem)
         comm = dp_time(cost, params=params, units=units, fwd_s=fwd, bwd_s=t - fwd, m=m, dp=dp, tp=tp, zero=zero,
                        dtype=dtype, reduce_dtype=reduce_dtype, overlap=overlap_grad_sync, memo=memo,
-                       tensors=tensors if dp_collectives == "tensor" else 0, recompute=cand.recompute)
-        opt = params * ADAM_STEP_BYTES / (dp if zero >= 1 else 1) / bandwidth
+                       tensors=tensors if dp_collectives == "tensor" else 0, recompute=cand.recompute,
+                       param_tensors=tensors)
+        opt = optimizer_time(cost, params=params, tensors=tensors, zero=zero, dp=dp, tp=tp)
         worst_end = max(worst_end, comm.total_s + opt)
-    busiest = max(r[0] for r in ranks)
+    busiest = max(r[0] for r in ranks) + v * pm
+    sum_times += k * pm
     if cand.schedule == "interleaved_1f1b":
         pipe = m * busiest + (pp - 1) * busiest / v
     else:

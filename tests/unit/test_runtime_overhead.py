@@ -1,0 +1,133 @@
+"""The training runtime's eager work beyond the model's ops (``DeviceProfile.runtime_overhead``): the optimizer's
+per-tensor step (on plain and on DTensor parameters), FSDP2's hooks per unit and parameter tensor, and the
+pipeline schedule's work per chunk and micro-batch.  What the cost model charges for each, where (which plans), the
+schema, the ``fsdp`` calibration factor, and the profiler's measurement.  Synthetic profiles, except the last test,
+which runs the measurement (one spawned process) and checks only its form."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from test_calibrate import _graph, _synthetic_run, cpu_like  # the calibration tests' synthetic profile and runs
+
+from autopar.planner.calibrate import calibrate, predict
+from autopar.planner.options import PlanOptions
+from autopar.planner.search import search
+from autopar.profiles import ClusterProfile, CostModel
+from autopar.profiles.refit import apply_factors
+from autopar.profiles.schema import ProfileError, profile_from_dict, profile_to_dict
+
+RUNTIME = {"optimizer_tensor": 12.0, "optimizer_dtensor": 60.0, "fsdp_unit": 150.0, "fsdp_tensor": 12.0,
+           "pipeline_microbatch": 80.0}
+
+
+def with_runtime(prof: ClusterProfile, table: dict[str, float]) -> ClusterProfile:
+    return dataclasses.replace(prof, device=dataclasses.replace(prof.device, runtime_overhead=dict(table)))
+
+
+def plan(prof: ClusterProfile, batch: int = 8, **pins: int | str):
+    return search(_graph("gpt-tiny"), prof, PlanOptions(global_batch=batch, dtype="float32", top_k=0, workers=1,
+                                                          pins=pins)).best  # type: ignore[arg-type]
+
+
+def test_cost_model_terms() -> None:
+    base = cpu_like()
+    lo = base.device.launch_overhead_s
+    none = CostModel(base)
+    assert none.optimizer_eager(28, dtensor=True) == 0.0 and none.fsdp_eager(4, 28) == 0.0  # GPU-like: not charged
+    cost = CostModel(with_runtime(base, RUNTIME))
+    assert cost.optimizer_eager(28, dtensor=False) == pytest.approx(28 * 12.0 * lo)
+    assert cost.optimizer_eager(28, dtensor=True) == pytest.approx(28 * 60.0 * lo)  # DTensor's dispatch per op
+    plain_only = CostModel(with_runtime(base, {"optimizer_tensor": 12.0}))  # DTensor not measured: the plain cost
+    assert plain_only.optimizer_eager(28, dtensor=True) == pytest.approx(28 * 12.0 * lo)
+    assert cost.fsdp_eager(4, 28) == pytest.approx((4 * 150.0 + 28 * 12.0) * lo)
+    assert cost.runtime_overhead("pipeline_microbatch") == pytest.approx(80.0 * lo)
+
+
+def test_fsdp_eager_is_charged_as_compute_of_zero1_plans_only() -> None:
+    base = cpu_like()
+    lo = base.device.launch_overhead_s
+    unit_only = with_runtime(base, {"fsdp_unit": 150.0})
+    a, b = plan(base, zero=1, dp=2, tp=1, pp=1), plan(unit_only, zero=1, dp=2, tp=1, pp=1)
+    assert a.zero == b.zero == 1 and a.num_microbatches == b.num_microbatches
+    units = sum(s.layer_end - s.layer_start for s in a.stages)
+    extra = a.num_microbatches * units * 150.0 * lo
+    assert b.time.compute - a.time.compute == pytest.approx(extra, rel=1e-6)
+    assert b.time.total - a.time.total == pytest.approx(extra, rel=1e-6)
+    # per tensor: linear in the per-tensor cost
+    t1, t2 = (plan(with_runtime(base, {"fsdp_tensor": x}), zero=1, dp=2, tp=1, pp=1) for x in (10.0, 20.0))
+    assert t2.time.compute - a.time.compute == pytest.approx(2 * (t1.time.compute - a.time.compute), rel=1e-6)
+    assert t1.time.compute > a.time.compute
+    # ZeRO-0 runs no FSDP2: unchanged to the bit
+    z0, z0f = plan(base, zero=0, dp=2, tp=1, pp=1), plan(with_runtime(base, RUNTIME), zero=0, dp=2, tp=1, pp=1)
+    assert z0f.time.compute == z0.time.compute and z0f.time.exposed_comm == z0.time.exposed_comm
+
+
+def test_optimizer_eager_per_tensor_and_dtensor_dispatch() -> None:
+    base = cpu_like()
+    lo = base.device.launch_overhead_s
+    opt_only = {"optimizer_tensor": 12.0, "optimizer_dtensor": 60.0}
+    a, b = plan(base, zero=0, dp=2, tp=1, pp=1), plan(with_runtime(base, opt_only), zero=0, dp=2, tp=1, pp=1)
+    tensors = (b.time.optimizer - a.time.optimizer) / (12.0 * lo)  # plain tensors: no DTensor dispatch
+    assert tensors == pytest.approx(round(tensors)) and round(tensors) >= 10
+    # tensor parallelism (DTensor parameters) and FSDP (sharded DTensors) also pay DTensor's dispatch per op
+    for pins in ({"tp": 2, "dp": 1}, {"zero": 1, "dp": 2, "tp": 1}):
+        p0 = plan(base, pp=1, **pins)  # type: ignore[arg-type]
+        p1 = plan(with_runtime(base, opt_only), pp=1, **pins)  # type: ignore[arg-type]
+        assert p1.time.optimizer - p0.time.optimizer == pytest.approx(round(tensors) * 60.0 * lo, rel=1e-6)
+
+
+def test_pipeline_microbatch_work_lengthens_pipelines_only() -> None:
+    base = cpu_like()
+    pm = 80.0 * base.device.launch_overhead_s
+    prof = with_runtime(base, {"pipeline_microbatch": 80.0})
+    pins = {"pp": 2, "dp": 1, "tp": 1, "schedule": "1f1b", "micro_batch": 2}
+    a, b = plan(base, **pins), plan(prof, **pins)  # type: ignore[arg-type]
+    m = a.num_microbatches
+    assert m == b.num_microbatches == 4
+    # every chunk pays it once per micro-batch; a 1F1B pipeline's critical path holds m + pp - 1 chunk slots
+    assert m * pm <= b.time.total - a.time.total <= (m + 2) * pm * 1.000001
+    one = {"pp": 1, "dp": 2, "tp": 1, "zero": 0}
+    assert plan(prof, **one).time.total == plan(base, **one).time.total  # type: ignore[arg-type]
+
+
+def test_schema_and_fsdp_factor() -> None:
+    prof = with_runtime(cpu_like(), RUNTIME)
+    d = profile_to_dict(prof)
+    assert d["device"]["runtime_overhead"] == RUNTIME
+    assert profile_from_dict(d).device.runtime_overhead == RUNTIME
+    assert "runtime_overhead" not in profile_to_dict(cpu_like())["device"]
+    for bad in ({"fsdp_units": 1.0}, {"fsdp_unit": -1.0}):
+        d["device"]["runtime_overhead"] = bad
+        with pytest.raises(ProfileError, match="runtime_overhead"):
+            profile_from_dict(d)
+    scaled = apply_factors(prof, {"fsdp": 2.0}).device.runtime_overhead
+    assert scaled == {k: v * (2.0 if k.startswith("fsdp_") else 1.0) for k, v in RUNTIME.items()}
+
+
+def test_calibrate_fits_fsdp_factor_only_with_an_fsdp_run() -> None:
+    """Mechanics: runs synthesised from a truth profile whose FSDP2 hooks cost 3x the base's measurement; the fit
+    recovers the factor from a ZeRO-1 run, and has no ``fsdp`` factor without one."""
+    graph = _graph("gpt-tiny")
+    base = with_runtime(cpu_like(), RUNTIME)
+    truth = apply_factors(base, {"fsdp": 3.0, "overhead": 1.5})
+    pins = ({"pp": 1, "dp": 2, "tp": 1, "zero": 0}, {"pp": 1, "dp": 2, "tp": 1, "zero": 1})
+    runs = []
+    for p in pins:
+        pl = plan(base, **p)  # type: ignore[arg-type]
+        runs.append((pl, graph, _synthetic_run(pl, predict(graph, truth, pl))))
+    fit = calibrate(base, runs, names=["overhead", "fsdp"])
+    assert fit.factors["fsdp"] == pytest.approx(3.0, rel=0.05)
+    assert fit.factors["overhead"] == pytest.approx(1.5, rel=0.05)
+    assert "fsdp" in calibrate(base, runs).factors
+    assert "fsdp" not in calibrate(base, runs[:1]).factors
+
+
+def test_profiler_measures_runtime_overheads() -> None:
+    from autopar.profiles.profiler import measure_runtime_overheads
+
+    got = measure_runtime_overheads(repeats=1)
+    assert set(got) == set(RUNTIME)
+    assert all(v >= 0.0 for v in got.values())
+    assert got["optimizer_tensor"] > 0 and got["optimizer_dtensor"] > 0
