@@ -6,7 +6,8 @@
 1. Base profiles of this machine with 2 and 4 ranks (``autopar profile --quick``, or ``--profile2/--profile4``).
    The 4-rank profile keeps its measured links; its device is the 2-rank device time-sliced by the measured
    slowdown of one fixed workload run by 4 processes at once against 2 (``time_concurrent``: 4 ranks share 2 cores,
-   and other work on the machine shares them too), instead of a second, noisier device measurement.  Each profile
+   and other work on the machine shares them too; measured after the fit, just before the held-out runs), instead
+   of a second, noisier device measurement.  Each profile
    carries each op kind's eager overhead (``op_overhead``), so that one fitted ``overhead`` factor carries from the
    fitted model to a model whose ops are of other kinds.
 2. Fit: the planner's pure-DP (``pp=1 dp=2 tp=1 zero=0``, global batch 4 and 16), ZeRO-1 DP (``zero=1``, FSDP2,
@@ -125,14 +126,6 @@ def main() -> int:
     out = Path(args.out or tempfile.mkdtemp(prefix="autopar-calibrate-bench-"))
     out.mkdir(parents=True, exist_ok=True)
     base = {2: base_profile(args.profile2, 2, out), 4: base_profile(args.profile4, 4, out)}
-    # 4 ranks on this machine's cores: each rank's ops take as much longer as the ranks (and other work) time-slice
-    # the cores.  The 4-rank device is the 2-rank one slowed by that measured factor (one fixed workload run by 4
-    # processes at once against 2), not a second noisy device measurement; its links are the 4-rank measurement.
-    t2, t4 = (statistics.median(time_concurrent(n) for _ in range(args.slicing_repeats)) for n in (2, 4))
-    slicing = max(t4 / t2, 1.0)
-    base[4] = oversubscribed(replace(base[4], device=base[2].device), slicing,
-                             note=f"2-rank device time-sliced x{slicing:.3g} for 4 ranks on {os.cpu_count()} cores")
-    save_profile(base[4], out / "base4-sliced.yaml")
     graphs = {m: graph_of(m, args.seq) for m in dict.fromkeys([args.fit_model, *args.models])}
 
     fit_plans = {k: make_plan(graphs[args.fit_model], base[2], b, pins) for k, (b, pins) in FIT.items()}
@@ -151,6 +144,15 @@ def main() -> int:
     fit, total, runs = calibrate_loop(base[2], runs, iterations=args.iterations, remeasure=remeasure)
     fit_plans = {k: p for k, (p, _, _) in zip(FIT, runs)}
     fit_meas = {k: m for k, (_, _, m) in zip(FIT, runs)}
+    # 4 ranks on this machine's cores: each rank's ops take as much longer as the ranks (and other work) time-slice
+    # the cores.  The 4-rank device is the 2-rank one slowed by that measured factor (one fixed workload run by 4
+    # processes at once against 2), not a second noisy device measurement; its links are the 4-rank measurement.
+    # Measured here, just before the held-out runs, since it depends on what else the machine runs at the time.
+    t2, t4 = (statistics.median(time_concurrent(n) for _ in range(args.slicing_repeats)) for n in (2, 4))
+    slicing = max(t4 / t2, 1.0)
+    base[4] = oversubscribed(replace(base[4], device=base[2].device), slicing,
+                             note=f"2-rank device time-sliced x{slicing:.3g} for 4 ranks on {os.cpu_count()} cores")
+    save_profile(base[4], out / "base4-sliced.yaml")
     fitted = {2: provenance(base[2], replace(fit, factors=total),
                             f"{args.fit_model} dp=2 and tp=2 runs (benchmarks/calibrate_cpu.py)"),
               4: apply_factors(base[4], total, note=f"factors fitted on 2 ranks ({args.fit_model} dp=2, tp=2)")}

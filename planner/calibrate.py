@@ -5,7 +5,8 @@ the last ``profiled`` of them under ``torch.profiler``.  The measured step time 
 warm-up that ran *without* the profiler; the profiled window gives each rank's split into compute, collectives,
 p2p (transfer + bubble), idle and optimizer, rescaled to that step time.
 
-The fit compares, per plan, the prediction's critical-rank breakdown with the measured one (the busiest rank):
+The fit compares, per plan, the prediction's critical-rank breakdown with the measured one (the busiest rank; its
+collectives without the wait for the slowest rank, see :func:`measured_observation`):
 
     [compute, exposed communication, optimizer, step total]  (each relative to the measured step time)
 
@@ -164,9 +165,14 @@ def observation(plan: Plan) -> list[float]:
 
 
 def measured_observation(m: RunMeasurement) -> list[float]:
-    """The measured counterpart of :func:`observation`: the busiest rank's compute, collectives and optimizer."""
+    """The measured counterpart of :func:`observation`: the busiest rank's compute and optimizer, and its
+    collectives' time without the wait for the slowest rank.  Every rank of a plan without pipeline stages runs the
+    same collectives, and the one that arrives last at each waits least: the smallest per-rank collective time is
+    what the links cost, the rest is the other ranks waiting for the straggler (on a machine shared with other work,
+    its uneven share of the cores), which no link coefficient describes.  With pipeline stages, the busiest rank's."""
     c = m.critical()
-    return [c["compute"], c["comm"], c["optimizer"], m.step_s]
+    comm = min(r["comm"] for r in m.ranks) if m.mesh[0] == 1 else c["comm"]
+    return [c["compute"], comm, c["optimizer"], m.step_s]
 
 
 def plan_graph(plan: Plan, model: str, seq: int | None) -> Graph:
