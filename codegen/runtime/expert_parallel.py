@@ -195,7 +195,7 @@ class ExpertParallel:
                     p.grad.div_(self._divide_after)
 
     def _shard_param(self, full: nn.Parameter) -> nn.Parameter:
-        """The ep-sharded ``Shard(0)`` DTensor parameter of a stacked expert weight (meta: filled after ``to_empty``)."""
+        """The ep-sharded ``Shard(0)`` DTensor parameter of a stacked expert weight (meta, filled after loading)."""
         if id(full) in self._sharded:
             return self._sharded[id(full)]
         if full.shape[0] % self.ep:

@@ -111,18 +111,21 @@ def _two_ranks(rank: int, root: str) -> dict[str, object]:
     return out
 
 
-def _four_ranks(rank: int, planned_: dict[str, ir.Plan]) -> list[tuple[list[float], dict[str, torch.Tensor] | None]]:
+def _four_ranks(rank: int, planned_: dict[str, ir.Plan]) -> list[tuple[list[float], object, int]]:
     """dp=4 x ep=2 with ZeRO 0, 1 and 3 (experts sharded over their 2-rank edp group, the rest over dp=4), and the
-    planner's ep=2 plans with cp=2 and with pp=2 (ZeRO-1)."""
+    planner's ep=2 plans with cp=2 and with pp=2 (ZeRO-1): (losses, gathered params on rank 0, elements held)."""
+    from torch.distributed.tensor import DTensor
+
     from autopar.codegen.runtime.program import build_program
 
-    out = []
+    out: list[tuple[list[float], object, int]] = []
     for zero in (0, 1, 3, "cp", "pp"):
         spec, g, plan = _zoo(4, 2, zero=zero) if isinstance(zero, int) else (*_zoo(4, 2)[:2], planned_[zero])
         prog = build_program(plan, spec, graph=g)
         losses = program_losses(prog, _batch, STEPS, LR)
+        held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in prog.parameters())
         params = prog.gathered_state_dict()
-        out.append((losses, params if rank == 0 else None))
+        out.append((losses, params if rank == 0 else None, held))
     return out
 
 
@@ -134,6 +137,7 @@ def _same_params(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> 
 
 def test_expert_parallel_parity_counts_and_checkpoint(tmp_path: os.PathLike[str]) -> None:
     from autopar.planner.inter_op.expert import ep_cost, moe_regions
+    from autopar.planner.inter_op.memory import memory_breakdown
     from autopar.profiles.builtin import load_builtin
     from autopar.profiles.cost import CostModel
     from autopar.zoo import build
@@ -156,12 +160,19 @@ def test_expert_parallel_parity_counts_and_checkpoint(tmp_path: os.PathLike[str]
         assert r["bitwise"] is True and r["bitwise_back"] is True
         assert r["next_step"] < 1e-6
     for runs in four:
-        for losses, _ in runs:
+        for losses, _, _ in runs:
             assert losses == pytest.approx(ref, abs=1e-5), (losses, ref)
+    # each rank holds (and keeps gradients and optimizer state for) what the memory model charges: ZeRO shards the
+    # dense part over dp=4 and its 1/ep of the experts over the dp/ep=2 ranks holding the same ones
+    experts = sum(r.elems for r in moe_regions(g))
+    for i, zero in enumerate((0, 1, 3)):
+        charged = memory_breakdown(param_elems=g.num_params - experts / 2, zero=zero, dp=4, mixed_precision=False,
+                                   activations=0.0, capacity=1.0, expert_elems=experts / 2, ep=2).grads / 4
+        assert sum(runs[i][2] for runs in four) / 4 == pytest.approx(charged), (zero, [r[i][2] for r in four])
     ref_params = {k: p.detach() for k, p in spec.model.named_parameters()}
     _same_params(two[0]["zoo_params"], ref_params)  # type: ignore[arg-type]
     _same_params(two[0]["zoo_z1_params"], ref_params)  # type: ignore[arg-type]
-    for _, params in four[0]:
+    for _, params, _ in four[0]:
         _same_params(params, ref_params)  # type: ignore[arg-type]
     _same_params(two[0]["hf_params"], {k: p.detach() for k, p in hf_model.named_parameters()})  # type: ignore
     assert ref[-1] < ref[0] - 1e-3  # the runs train
