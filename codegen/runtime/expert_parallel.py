@@ -28,9 +28,8 @@ chunks, and a load under another ep (or none) reads what it needs (:mod:`autopar
 the expert shard group covers every token once; it is divided by ``dp * cp``, as the average over dp x cp does for
 the other parameters.  ZeRO 0: one flattened all-reduce over the shard group (:func:`sync_expert_grads`).
 ZeRO >= 1: each region submodule is its own FSDP2 unit on the shard group (``fully_shard`` takes the ep DTensors
-and shards them further, a 2-D (shard, ep) layout as for FSDP x TP), reduce-scattering with the divide factor
-``dp * cp`` instead of its group size (a one-rank group: divided after the backward); the rest of the group is
-sharded over the whole dp (x cp) mesh as without ep.
+and shards them further, a 2-D (shard, ep) layout as for FSDP x TP), whose reduce-scatter average is divided further
+to ``dp * cp`` before it accumulates; the rest of the group is sharded over the whole dp (x cp) mesh as without ep.
 Expert parameters, gradients and optimizer state are thus sharded over the ranks holding the same experts, the
 others over all dp ranks: the layout :func:`autopar.planner.inter_op.memory.memory_breakdown` charges
 (``expert_elems``, ``ep``).  ZeRO-3 frees the gathered experts after the region's forward and gathers them again
@@ -130,7 +129,6 @@ class ExpertParallel:
         """The ranks holding the same experts (edp x cp): their gradient sum, their ZeRO shards."""
         self.regions: list[nn.Module] = []
         self._sharded: dict[int, nn.Parameter] = {}
-        self._divide_after = 1.0
 
     @property
     def layout(self) -> tuple[int, int, int, int]:
@@ -176,23 +174,14 @@ class ExpertParallel:
         (module docstring).  Call before the enclosing groups are sharded."""
         from torch.distributed.fsdp import fully_shard
 
-        one = self.shard_mesh.size() == 1
+        size = self.shard_mesh.size()
+        extra = self.dp * self.cp / size  # FSDP2 averages over the shard group; the rest of the division
         for r in self.regions:
             fully_shard(r, mesh=self.shard_mesh, reshard_after_forward=zero >= 3, mp_policy=policy)
-            if not one:  # a plain sum and a division after it (gloo has no pre-multiplied sum)
-                r.set_gradient_divide_factor(float(self.dp * self.cp))  # type: ignore[operator]
-                r.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
-        # One rank per shard group (dp = ep, cp = 1): FSDP2 reduces nothing, and with a divide factor it would
-        # divide such a gradient by it more than once (torch 2.13), so the program divides after the backward.
-        self._divide_after = float(self.dp * self.cp) if one else 1.0
-
-    @torch.no_grad()
-    def finish_fsdp_grads(self) -> None:
-        """ZeRO >= 1, after the step's backward: the division FSDP2 was not asked for (:meth:`fully_shard`)."""
-        if self._divide_after != 1.0:
-            for p in self.parameters():
-                if p.grad is not None:
-                    p.grad.div_(self._divide_after)
+            if extra != 1:
+                # on each reduce-scatter's output, before it accumulates into the sharded gradient (FSDP2's own
+                # divide factor would do on several ranks, but divides a one-rank group's gradient twice)
+                r.set_all_reduce_hook(lambda out, d=extra: out.div_(d))  # type: ignore[operator]
 
     def _shard_param(self, full: nn.Parameter) -> nn.Parameter:
         """The ep-sharded ``Shard(0)`` DTensor parameter of a stacked expert weight (meta, filled after loading)."""

@@ -259,9 +259,7 @@ class ParallelProgram:
     def _sync_grads(self) -> None:
         experts = {id(p) for p in self._ep.parameters()} if self._ep is not None else set()
         params = [p for p in self.parameters() if id(p) not in experts]  # experts sync over their shard group
-        if self._ep is not None and self._fsdp:
-            self._ep.finish_fsdp_grads()
-        elif self._ep is not None:
+        if self._ep is not None and not self._fsdp:  # (under FSDP2 their reduce-scatter divides them)
             epm.sync_expert_grads(self._ep)
         if not self._fsdp:
             dpm.fix_grad_placements(params)
