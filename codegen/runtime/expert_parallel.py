@@ -25,11 +25,14 @@ its original path, so its name (with the ``_autopar_ep<k>`` component dropped:
 chunks, and a load under another ep (or none) reads what it needs (:mod:`autopar.codegen.checkpoint`).
 
 **Gradients.**  A rank's expert gradient already sums the contributions of its ep group's tokens, so the sum over
-the expert shard group covers every token once; it is divided by ``dp * cp``, as the average over dp x cp does for
-the other parameters.  ZeRO 0: one flattened all-reduce over the shard group (:func:`sync_expert_grads`).
-ZeRO >= 1: each region submodule is its own FSDP2 unit on the shard group (``fully_shard`` takes the ep DTensors
-and shards them further, a 2-D (shard, ep) layout as for FSDP x TP), whose reduce-scatter average is divided further
-to ``dp * cp`` before it accumulates; the rest of the group is sharded over the whole dp (x cp) mesh as without ep.
+the expert shard group covers every token once, and it must be divided by ``dp * cp`` (as the average over dp x cp
+does for the other parameters) = ``ep`` x the shard group's size.  The backward therefore scales the local experts'
+gradient by ``1/ep`` (where the region reads its weights), and the shard group then *averages* it like any
+data-parallel gradient, which also keeps gradients accumulated over several steps right.  ZeRO 0: one flattened
+all-reduce over the shard group (:func:`sync_expert_grads`).  ZeRO >= 1: each region submodule is its own FSDP2
+unit on the shard group (``fully_shard`` takes the ep DTensors and shards them further, a 2-D (shard, ep) layout as
+for FSDP x TP), reduce-scattering with FSDP2's average; the rest of the group is sharded over the whole dp (x cp)
+mesh as without ep.
 Expert parameters, gradients and optimizer state are thus sharded over the ranks holding the same experts, the
 others over all dp ranks: the layout :func:`autopar.planner.inter_op.memory.memory_breakdown` charges
 (``expert_elems``, ``ep``).  ZeRO-3 frees the gathered experts after the region's forward and gathers them again
@@ -170,18 +173,12 @@ class ExpertParallel:
         return done
 
     def fully_shard(self, zero: int, policy: object) -> None:
-        """ZeRO >= 1: each region its own FSDP2 unit on the expert shard group, gradients divided by ``dp * cp``
-        (module docstring).  Call before the enclosing groups are sharded."""
+        """ZeRO >= 1: each region its own FSDP2 unit on the expert shard group, which averages the (1/ep-scaled)
+        gradients over it (module docstring).  Call before the enclosing groups are sharded."""
         from torch.distributed.fsdp import fully_shard
 
-        size = self.shard_mesh.size()
-        extra = self.dp * self.cp / size  # FSDP2 averages over the shard group; the rest of the division
         for r in self.regions:
             fully_shard(r, mesh=self.shard_mesh, reshard_after_forward=zero >= 3, mp_policy=policy)
-            if extra != 1:
-                # on each reduce-scatter's output, before it accumulates into the sharded gradient (FSDP2's own
-                # divide factor would do on several ranks, but divides a one-rank group's gradient twice)
-                r.set_all_reduce_hook(lambda out, d=extra: out.div_(d))  # type: ignore[operator]
 
     def _shard_param(self, full: nn.Parameter) -> nn.Parameter:
         """The ep-sharded ``Shard(0)`` DTensor parameter of a stacked expert weight (meta, filled after loading)."""
@@ -250,7 +247,7 @@ class ExpertParallel:
                         dispatched[x] = sub.call_function(_ep_dispatch, (epx, xe, route))  # type: ignore[arg-type]
                     xe = dispatched[x]  # type: ignore[index]
                 local_c = sub.call_function(_ep_local_counts, (route, offsets, env[counts]))
-                w_local = sub.call_function(_ep_local, (env[n.args[1]],))  # type: ignore[index]
+                w_local = sub.call_function(_ep_local, (epx, env[n.args[1]]))  # type: ignore[index]
                 c = sub.node_copy(n, lambda a: env[a])
                 c.args = (xe, w_local, local_c, *c.args[3:])
             else:
@@ -321,8 +318,22 @@ def _ep_local_counts(r: _Route, offsets: bool, like: torch.Tensor) -> torch.Tens
     return ExpertParallel.local_counts(r, offsets, like)
 
 
-def _ep_local(w: torch.Tensor) -> torch.Tensor:
-    return w.to_local() if isinstance(w, DTensor) else w
+def _ep_local(epx: ExpertParallel, w: torch.Tensor) -> torch.Tensor:
+    """The local experts' weights; their gradient is scaled by 1/ep on the way back (module docstring)."""
+    return _ScaleGrad.apply(w.to_local() if isinstance(w, DTensor) else w, 1.0 / epx.ep)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient times ``scale`` backward."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.scale = scale  # type: ignore[attr-defined]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad * ctx.scale, None  # type: ignore[attr-defined]
 
 
 def _ancestors(x: object) -> set[fx.Node]:
@@ -351,14 +362,13 @@ def _descendants(x: fx.Node) -> set[fx.Node]:
 
 @torch.no_grad()
 def sync_expert_grads(epx: ExpertParallel) -> None:
-    """ZeRO 0: sum the expert gradients over the expert shard group and divide by ``dp * cp`` (module docstring)."""
+    """ZeRO 0: average the (1/ep-scaled) expert gradients over the expert shard group (module docstring)."""
     grads = [(g.to_local() if isinstance(g, DTensor) else g) for p in epx.parameters() if (g := p.grad) is not None]
-    if not grads:
+    if not grads or epx.shard_mesh.size() == 1:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
-    if epx.shard_mesh.size() > 1:
-        dist.all_reduce(flat, group=epx.shard_mesh.get_group())
-    flat /= epx.dp * epx.cp
+    dist.all_reduce(flat, group=epx.shard_mesh.get_group())
+    flat /= epx.shard_mesh.size()
     off = 0
     for g in grads:
         g.copy_(flat[off:off + g.numel()].view_as(g))
