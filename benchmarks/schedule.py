@@ -14,7 +14,10 @@ Every policy and baseline is built from the same curves (each job's real plans a
 
 The figure of merit is the total weighted normalised throughput ``sum_j w_j T_j / E_j`` (``E_j``: the job's
 throughput under an equal share); the unweighted sum ``sum_j T_j / E_j`` is printed beside it.  Target: goodput
->= 1.2x equal share on the mixed set (the ratio to the device-blind equal share is printed beside it).  Schedule time:
+>= 1.2x equal share on the mixed set, where the equal share is the device-blind one: the issue sets a
+heterogeneity-aware baseline (Gavel-style) apart from it, and an equal share placed by device affinity is already
+heterogeneity-aware (on the mixed cluster it equals Gavel-style's total); the ratio to that one is printed beside
+it.  On one device type the two equal shares are the same.  Schedule time:
 what ``autopar schedule`` does (plan the curves, allocate), in CPU seconds (this process and the search's workers)
 beside wall seconds, cold (an empty curve cache: every point planned) and warm (the same call again: all points from
 the cache); target under 60 s for 8 jobs x 64 nodes.  The first-come baseline's node counts are planned after the
@@ -114,9 +117,10 @@ def main() -> None:
             print(f"{name:30s} {weighted_total(p, t):14.2f} {weighted_total(p, t) / equal:8.2f}x {flat:10.2f}   {per}")
         print("goodput allocation: " + ", ".join(f"{j} {c.nodes}x{c.pool}" for j, c in res["goodput"].items()))
         good = weighted_total(p, tput["goodput (autopar schedule)"])
-        ratio, blind = good / equal, good / weighted_total(p, tput["equal share, device-blind"])
+        placed, ratio = good / equal, good / weighted_total(p, tput["equal share, device-blind"])
         print(f"goodput / equal share = {ratio:.2f}x (target >= {TARGET_RATIO}x): "
-              f"{'met' if ratio >= TARGET_RATIO else 'NOT met'}; goodput / device-blind equal share = {blind:.2f}x")
+              f"{'met' if ratio >= TARGET_RATIO else 'NOT met'}; goodput / equal share placed by device affinity "
+              f"= {placed:.2f}x")
         print(f"schedule time cold: {cpu:.1f} CPU-s, {wall:.1f} s wall ({stats['planned']} points planned, "
               f"{stats['cached']} cached; {stats['baseline_only']} more for first-come afterwards); "
               f"warm: {cpu2:.1f} CPU-s, {wall2:.1f} s wall ({stats2['cached']} cached); "

@@ -27,18 +27,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     misplaced = [i.nodeid for i in items if i.get_closest_marker("multiprocess") and UNIT in Path(i.path).parents]
     if misplaced:
         raise pytest.UsageError(f"multi-process tests belong in tests/integration: {misplaced}")
-    # Under `-n 2` (with pyproject's --dist loadgroup) every multi-process test runs on one xdist worker, one after
-    # another as without xdist, so no two tests' ranks compete for the cores; the single-process tests run on the
-    # other worker meanwhile. xdist groups by an "@group" suffix of the node id, which pytest-xdist 3.8 writes to
-    # `item._nodeid`; pytest 9.2 keeps the id in `item._id` instead, so the suffix is written there when missing.
+    # Under `-n 2` (with pyproject's --dist loadgroup) the multi-process tests form two groups, each run on one
+    # xdist worker one test after another: "spawn" (modules that start ranks with tests/harness.py's spawn or
+    # spawn_jobs) and "launch" (the rest: torchrun and `autopar run` launches, the profiler's own ranks). So at most
+    # two tests' ranks share the cores at a time, and the single-process tests fill both workers around them.
+    # xdist groups by an "@group" suffix of the node id, which pytest-xdist 3.8 writes to `item._nodeid`; pytest 9.2
+    # keeps the id in `item._id` instead, so the suffix is written there when missing.
     for item in items:
         if not item.get_closest_marker("multiprocess"):
             continue
-        item.add_marker(pytest.mark.xdist_group("multiprocess"))
+        module = getattr(item, "module", None)
+        group = "spawn" if any(hasattr(module, f) for f in ("spawn", "spawn_jobs")) else "launch"
+        item.add_marker(pytest.mark.xdist_group(group))
         if getattr(config.option, "loadgroup", False) and "@" not in item.nodeid and hasattr(item, "_id"):
             from _pytest.nodeid import coerce_node_id
 
-            item._id = coerce_node_id(f"{item.nodeid}@multiprocess")
+            item._id = coerce_node_id(f"{item.nodeid}@{group}")
 
 
 @pytest.fixture(autouse=True)
