@@ -202,15 +202,54 @@ def _summary(failures: Path, rc: int) -> str:
     return f"rank {first['rank']} failed: {first['cause']}{others}; the workers' output is above"
 
 
-def _stop_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM torchrun's process group (torchrun forwards it to its workers), then SIGKILL whatever is left."""
-    _killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=3.0)
-    except subprocess.TimeoutExpired:
-        pass
+def _stop_group(proc: subprocess.Popen[Any]) -> None:
+    stop_process_tree(proc)
+
+
+def stop_process_tree(proc: subprocess.Popen[Any], grace_s: float = 3.0) -> None:
+    """Stop torchrun (started with ``start_new_session=True``) and every process below it, then reap it.
+
+    SIGTERM to torchrun's process group first (torchrun forwards it to its workers), then SIGKILL to that group and
+    to every descendant.  The descendants need their own signal: torchrun starts each worker in a session of its
+    own, so killing torchrun's group alone orphans the workers, and they keep running (and keep the launcher's
+    output pipes open) after torchrun is gone.  They are listed before torchrun is signalled, while they are still
+    its children, and again before the SIGKILL (a restarted group's workers)."""
+    tree = set(_descendants(proc.pid))
+    if grace_s > 0:
+        _killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            tree |= set(_descendants(proc.pid))
     _killpg(proc.pid, signal.SIGKILL)
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
     proc.wait()
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, theirs, ...), read from /proc; empty where there is no /proc."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return []
+    for e in entries:
+        try:
+            with open(f"/proc/{e}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])  # the name, in parentheses, may hold spaces
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        children.setdefault(ppid, []).append(int(e))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            out.append(child)
+            todo.append(child)
+    return out
 
 
 def _killpg(pgid: int, sig: signal.Signals) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 
 from autopar import ir
 from autopar.planner import auto_parallel
+from autopar.planner.run.torchrun import stop_process_tree
 from autopar.profiles.schema import load_profile
 from autopar.zoo import build
 
@@ -72,7 +72,7 @@ def test_readme_example_under_torchrun_on_four_cpu_ranks(tmp_path: Path) -> None
     try:
         out, _ = proc.communicate(timeout=240)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun, its workers and the profiler they started
+        stop_process_tree(proc, grace_s=0)  # torchrun, its workers (each in its own session), their profiler
         out, _ = proc.communicate()
         raise AssertionError(f"torchrun timed out:\n{out[-4000:]}") from None
     assert proc.returncode == 0, out[-4000:]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from autopar.planner.run.torchrun import stop_process_tree
 
 pytestmark = pytest.mark.multiprocess  # every test here starts gloo ranks
 
@@ -99,7 +100,7 @@ def _torchrun(out_dir: Path, kill_at: int) -> subprocess.CompletedProcess[str]:
     try:
         out, err = proc.communicate(timeout=240)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)   # torchrun and every worker it started, restarted ones included
+        stop_process_tree(proc, grace_s=0)  # torchrun and every worker it started (each in its own session)
         out, err = proc.communicate()
         raise AssertionError(f"torchrun timed out:\n{err[-3000:]}") from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

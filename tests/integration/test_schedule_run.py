@@ -8,9 +8,7 @@ for bit where an uninterrupted run's are; the moved job's (resharded from dp=2 t
 from __future__ import annotations
 
 import json
-import os
 import shlex
-import signal
 import subprocess
 import time
 from dataclasses import dataclass
@@ -20,6 +18,7 @@ import pytest
 from cpu_cluster import cpu_ranks_profile
 
 from autopar.planner.cli import main
+from autopar.planner.run.torchrun import stop_process_tree
 
 pytestmark = pytest.mark.multiprocess
 
@@ -66,8 +65,7 @@ def _wait(groups: dict[str, _Group], timeout: float = 300.0) -> None:
     finally:
         for g in groups.values():
             if g.proc.poll() is None:
-                os.killpg(g.proc.pid, signal.SIGKILL)  # the session _run started: this group's processes only
-                g.proc.wait()
+                stop_process_tree(g.proc, grace_s=0)  # torchrun and its workers (each in a session of its own)
     failed = [name for name, g in groups.items() if g.proc.returncode != 0]
     if failed:
         logs = "\n".join(f"--- {name}: exit {g.proc.returncode} (negative: killed by that signal, or by this test "
