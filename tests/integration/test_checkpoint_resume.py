@@ -1,7 +1,7 @@
 """Tier (c): a rank dies mid-training, torchrun restarts the group, training resumes from the last checkpoint and
 ends in exactly the state of an uninterrupted run.
 
-The training loop below (run as a script under ``torchrun --nproc-per-node 2 --max-restarts 1``) trains a tiny GPT
+The training loop below (run as a script under ``torchrun --nproc-per-node 2``) trains a tiny GPT
 under a dp=2 FSDP2 (ZeRO-3) plan with AdamW, draws each step's batch from a generator seeded by the step number (so
 data does not depend on where a run resumed), and checkpoints every 2 steps with :class:`autopar.codegen.checkpoint.
 Checkpointer`.  With ``KILL_AT_STEP=5`` rank 1 ``os._exit(1)``s after step 5 on the first attempt; the restarted
@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,9 @@ def train(out_dir: Path) -> None:
     from harness import make_plan
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    # A bounded timeout: a restarted group's lazily connected gloo pairs have hung once in a collective on a loaded
+    # machine; with it, such a hang becomes an error that torchrun's next restart recovers from.
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank, attempt = dist.get_rank(), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     spec = build("gpt-tiny", batch=BATCH, device="cpu", seq=SEQ, seed=0)
     graph = ir.trace(spec.model, spec.example_inputs, frontend="fx", model_name="gpt-tiny")
@@ -88,13 +91,13 @@ def _gather(prog: Any, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     return out
 
 
-def _torchrun(out_dir: Path, kill_at: int) -> subprocess.CompletedProcess[str]:
+def _torchrun(out_dir: Path, kill_at: int, max_restarts: int) -> subprocess.CompletedProcess[str]:
     # TORCH_GLOO_LAZY_INIT: with eager gloo full-mesh connection, the restarted group's init_process_group fails
     # intermittently on this machine ("connectFullMesh ... Connection refused") or hangs; lazy pairs connect on use.
     env = {**os.environ, "KILL_AT_STEP": str(kill_at), "OMP_NUM_THREADS": "1", "TORCH_GLOO_LAZY_INIT": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", "1", "--monitor-interval", "0.5", str(Path(__file__).resolve()), str(out_dir)]
+           "--max-restarts", str(max_restarts), "--monitor-interval", "0.5", str(Path(__file__).resolve()), str(out_dir)]
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
@@ -110,16 +113,20 @@ def test_killed_rank_resumes_from_last_checkpoint_with_identical_state(tmp_path:
     ref_dir, kill_dir = tmp_path / "ref", tmp_path / "kill"
     ref_dir.mkdir()
     kill_dir.mkdir()
-    ref = _torchrun(ref_dir, 0)
+    ref = _torchrun(ref_dir, 0, max_restarts=0)
     assert ref.returncode == 0, ref.stderr[-3000:]
-    killed = _torchrun(kill_dir, 5)
+    killed = _torchrun(kill_dir, 5, max_restarts=2)
     assert killed.returncode == 0, killed.stderr[-3000:]
     attempts = [json.loads(line) for line in (kill_dir / "attempts.jsonl").read_text().splitlines()]
-    assert attempts == [{"attempt": 0, "start": 0}, {"attempt": 1, "start": 4}], attempts
+    # The kill after step 5 loses step 5: the restart resumes from the step-4 checkpoint.  A second restart is
+    # allowed only as recovery from a timed-out collective and must resume from a checkpoint too.
+    assert attempts[:2] == [{"attempt": 0, "start": 0}, {"attempt": 1, "start": 4}], attempts
+    assert all(a["start"] in (4, 6) for a in attempts[2:]), attempts
     a = torch.load(ref_dir / "final.pt")
     b = torch.load(kill_dir / "final.pt")
-    assert len(b["losses"]) == STEPS - 4
-    assert b["losses"] == a["losses"][4:], (a["losses"], b["losses"])
+    last = attempts[-1]["start"]
+    assert len(b["losses"]) == STEPS - last
+    assert b["losses"] == a["losses"][last:], (a["losses"], b["losses"])
     assert set(a["state"]) == set(b["state"]) and any(k.startswith("exp_avg/") for k in a["state"])
     bad = [k for k in a["state"] if not torch.equal(a["state"][k], b["state"][k])]
     assert not bad, f"resumed run differs from the uninterrupted one: {bad[:5]}"
