@@ -7,6 +7,7 @@ fields), so the runtime can be exercised without the planner.  :func:`spawn` run
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import re
 import sys
@@ -135,10 +136,38 @@ def program_losses(program: Any, batch: Callable[[int], Any], steps: int, lr: fl
     return losses
 
 
-def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], out_dir: str) -> None:
+def _start_method() -> str:
+    """Ranks start from a fork server that has imported torch, torch.distributed and autopar once (each rank
+    importing them afresh costs ~5 CPU-s on these machines, and the suite starts well over a hundred ranks); where
+    there is no fork server, a fresh interpreter per rank."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    multiprocessing.set_forkserver_preload(list(_PRELOAD))
+    return "forkserver"
+
+
+_PRELOAD = ("torch", "torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.pipelining",
+            "torch.distributed.checkpoint", "autopar.codegen.runtime.program", "autopar.planner.search", "harness",
+            "outside_models", *(f"transformers.models.{m}.modeling_{m}" for m in
+                                ("gpt2", "llama", "t5", "qwen2", "bert", "vit", "resnet", "mixtral")))
+"""What the fork server imports (a module that does not import is skipped): what the ranks of the multi-process
+tests import; the Hugging Face model classes of tests/outside_models.py."""
+
+
+def _fresh(rank: int, world: int, port: int, env: dict[str, str]) -> None:
+    """A rank's process as a freshly spawned one would be: the parent's environment now (the fork server's is the
+    one it started with), the rendezvous variables, one thread and torch's initial random state."""
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    torch.manual_seed(torch.initial_seed())
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], out_dir: str,
+           env: dict[str, str]) -> None:
+    _fresh(rank, world, port, env)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         result = fn(rank, *args)
@@ -156,8 +185,8 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
 def spawn(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
     """Run ``fn(rank, *args)`` on ``world`` gloo processes (1 thread each); returns every rank's return value."""
     with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_entry, args=(world, free_port(), fn, args, d), nprocs=world, join=True,
-                           start_method="spawn")
+        mp.start_processes(_entry, args=(world, free_port(), fn, args, d, dict(os.environ)), nprocs=world,
+                           join=True, start_method=_start_method())
         return [torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False) for r in range(world)]
 
 
@@ -180,10 +209,8 @@ class JobResults(dict):
 
 
 def _jobs_entry(rank: int, world: int, port: int, jobs: list[tuple[str, Callable[..., Any], tuple[Any, ...]]],
-                out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
+                out_dir: str, env: dict[str, str]) -> None:
+    _fresh(rank, world, port, env)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     seed = torch.initial_seed()
     try:
@@ -214,8 +241,9 @@ def spawn_jobs(world: int, jobs: dict[str, tuple[Callable[..., Any], tuple[Any, 
     with tempfile.TemporaryDirectory() as d:
         error: BaseException | None = None
         try:
-            mp.start_processes(_jobs_entry, args=(world, free_port(), [(n, *jobs[n]) for n in order], d),
-                               nprocs=world, join=True, start_method="spawn")
+            mp.start_processes(_jobs_entry, args=(world, free_port(), [(n, *jobs[n]) for n in order], d,
+                                                  dict(os.environ)), nprocs=world, join=True,
+                               start_method=_start_method())
         except Exception as e:  # noqa: BLE001 - any rank failure, reported per job below
             error = e
         results: dict[str, list[Any]] = {}
