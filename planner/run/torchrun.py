@@ -136,9 +136,13 @@ def run_plan(plan_path: str | Path, model_name: str, steps: int, nproc: int | No
     failures = tempfile.mkdtemp(prefix="autopar-failures-")
     env[FAILURE_DIR_ENV] = failures
     env.setdefault("OMP_NUM_THREADS", "1")
+    # A fresh rendezvous store for every restart.  By default torchrun's c10d rendezvous keeps one shared TCPStore
+    # for all rounds while the workers' env:// init assumes a new store per retry and adds no per-attempt prefix, so
+    # a restarted group can read a dead attempt's peer addresses (gloo: "Connection refused" connecting to the old
+    # port, or a hang) before the new peers overwrite them.
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if not torch.cuda.is_available():
-        # gloo: connect process pairs on first use.  Eagerly connecting the full mesh fails intermittently
-        # ("connectFullMesh ... Connection refused") or hangs when torchrun restarts the group after a failure.
+        # gloo: connect process pairs on first use (what a collective needs, not the full mesh at init).
         env.setdefault("TORCH_GLOO_LAZY_INIT", "1")
     log.info("launching: %s", " ".join(cmd))
     try:

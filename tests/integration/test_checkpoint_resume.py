@@ -48,8 +48,8 @@ def train(out_dir: Path) -> None:
     from harness import make_plan
 
     torch.set_num_threads(1)
-    # A bounded timeout: a restarted group's lazily connected gloo pairs have hung once in a collective on a loaded
-    # machine; with it, such a hang becomes an error that torchrun's next restart recovers from.
+    # A bounded timeout: should a restarted group's collective hang, it becomes an error that torchrun's next restart
+    # recovers from instead of the test's own timeout.
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank, attempt = dist.get_rank(), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     spec = build("gpt-tiny", batch=BATCH, device="cpu", seq=SEQ, seed=0)
@@ -92,9 +92,11 @@ def _gather(prog: Any, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
 
 
 def _torchrun(out_dir: Path, kill_at: int, max_restarts: int) -> subprocess.CompletedProcess[str]:
-    # TORCH_GLOO_LAZY_INIT: with eager gloo full-mesh connection, the restarted group's init_process_group fails
-    # intermittently on this machine ("connectFullMesh ... Connection refused") or hangs; lazy pairs connect on use.
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE, as `autopar run` sets it: a fresh store for each restart, so that the
+    # restarted group cannot read the dead attempt's gloo addresses (connection refused, or a hang) from a store that
+    # torchrun otherwise keeps across rounds (autopar.planner.run.torchrun.run_plan).
     env = {**os.environ, "KILL_AT_STEP": str(kill_at), "OMP_NUM_THREADS": "1", "TORCH_GLOO_LAZY_INIT": "1",
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "--max-restarts", str(max_restarts), "--monitor-interval", "0.5", str(Path(__file__).resolve()), str(out_dir)]
