@@ -139,7 +139,8 @@ def run_plan(plan_path: str | Path, model_name: str, steps: int, nproc: int | No
     # A fresh rendezvous store for every restart.  By default torchrun's c10d rendezvous keeps one shared TCPStore
     # for all rounds while the workers' env:// init assumes a new store per retry and adds no per-attempt prefix, so
     # a restarted group can read a dead attempt's peer addresses (gloo: "Connection refused" connecting to the old
-    # port, or a hang) before the new peers overwrite them.
+    # port, or a hang) before the new peers overwrite them (pytorch/pytorch#135712, NCCL's unique id alike; in
+    # torch 2.13 the shared server is still built only once per agent).
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if not torch.cuda.is_available():
         # gloo: connect process pairs on first use (what a collective needs, not the full mesh at init).
