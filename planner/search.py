@@ -25,7 +25,14 @@ from autopar.ir.plan import Plan
 from autopar.planner.inter_op import Candidate, LayerTable, Screened, build_plan, divisors, layer_table, screen
 from autopar.planner.inter_op.context import cp_choices, cp_table
 from autopar.planner.inter_op.expert import ep_choices, ep_note, ep_table
-from autopar.planner.inter_op.screen import ScreenMemo, param_floor
+from autopar.planner.inter_op.screen import (
+    FinalistBar,
+    ScreenMemo,
+    finalist_count,
+    finalists_of,
+    param_floor,
+    pipeline_time,
+)
 from autopar.planner.intra_op import IntraOpOptions, solve_graph
 from autopar.planner.intra_op.coster import gradient_values
 from autopar.planner.intra_op.cpsat import CPSAT_WORKERS
@@ -39,7 +46,6 @@ __all__ = ["PlanInfeasibleError", "SearchResult", "search"]
 
 log = logging.getLogger(__name__)
 Progress = Callable[[str, float], None]
-_EXACT = 24  # screened candidates evaluated exactly
 LEAN_PRICE_S_PER_BYTE = 1e-10
 """Price on parameter-state bytes for the memory-lean intra-op solve: 0.1 s per GB outweighs any collective a
 replicated weight could save, so weights get sharded wherever the solver can shard them."""
@@ -265,9 +271,12 @@ def _units(s: _Screening) -> tuple[list[tuple[int, int, int]], list[tuple[int, i
     return units, keys
 
 
-def _screen_unit(s: _Screening, unit: tuple[int, int, int]) -> tuple[list[Screened], int, float]:
+def _screen_unit(s: _Screening, unit: tuple[int, int, int], bar: FinalistBar | None = None
+                 ) -> tuple[list[Screened], int, float]:
     """Screen every candidate with mesh ``tp`` x ``pp`` x ``cp``: (those that fit, how many were screened, least
-    peak)."""
+    peak).  With a ``bar``, candidates that cannot be finalists (see
+    :class:`~autopar.planner.inter_op.screen.FinalistBar`) are counted but neither costed in full nor returned; the
+    least peak then covers only those costed (it is reported only when none fits)."""
     tp, pp, cp = unit
     options, tables, cost = s.options, s.tables, s.tables.cost
     world, dpn = s.profile.nodes * s.profile.devices_per_node, s.profile.devices_per_node
@@ -296,15 +305,21 @@ def _screen_unit(s: _Screening, unit: tuple[int, int, int]) -> tuple[list[Screen
                         continue  # ZeRO without data parallelism changes nothing
                     for lean, ep, table in variants:
                         c = Candidate(pp, dp, tp, mb, m, sched, v, zero, rc, lean, cp, ep)
+                        count += 1
+                        if bar is not None:
+                            lower = pipeline_time(c, table, cost, p2p_intra=p2p_intra, memo=s.memo)
+                            if lower is None or lower > bar.time:
+                                continue
                         sc = screen(c, table, cost, dtype=options.dtype, capacity=capacity, p2p_intra=p2p_intra,
                                     overlap_grad_sync=options.overlap_grad_sync, memo=s.memo,
                                     reduce_dtype=options.reduce_dtype, dp_collectives=options.dp_collectives)
-                        count += 1
                         if sc is None:
                             continue
                         min_peak = min(min_peak, sc.peak_mem)
                         if sc.fits:
                             out.append(sc)
+                            if bar is not None:
+                                bar.add(sc.time_s)
     return out, count, min_peak
 
 
@@ -317,7 +332,8 @@ def _screen_task(s: _Screening, task: tuple[list[tuple[int, int, int]], dict[tup
     """Screen ``(tp, pp)`` units in a worker, with the tables they read (solved elsewhere, sent along)."""
     units, tables = task
     s.tables.adopt(tables)
-    return [_screen_unit(s, u) for u in units]
+    bar = FinalistBar(finalist_count(s.options.top_k))
+    return [_screen_unit(s, u, bar) for u in units]
 
 
 def _screen_tasks(s: _Screening, units: list[tuple[int, int, int]], keys: list[tuple[int, int, bool]], workers: int
@@ -354,13 +370,14 @@ def _screen_all(graph: Graph, profile: ClusterProfile, options: PlanOptions, tab
     out: list[Screened] = []
     count, min_peak = 0, float("inf")
     tps = list(dict.fromkeys(u[0] for u in units))
+    bar = FinalistBar(finalist_count(options.top_k))
     for i, unit in enumerate(units):
-        found, n, peak = done[i] if done is not None else _screen_unit(s, unit)
+        found, n, peak = done[i] if done is not None else _screen_unit(s, unit, bar)
         out += found
         count += n
         min_peak = min(min_peak, peak)
         if progress and (i + 1 == len(units) or units[i + 1][0] != unit[0]):
-            progress(f"tp={unit[0]}: {count} candidates screened, {len(out)} fit",
+            progress(f"tp={unit[0]}: {count} candidates screened, {len(out)} fit and in the running",
                      (tps.index(unit[0]) + 1) / len(tps))
     if progress and not units:
         progress("no candidates", 1.0)
@@ -410,7 +427,7 @@ def search(graph: Graph, profile: ClusterProfile, options: PlanOptions,
     tables.cost, tables.options = cost, options  # each search checks its collectives against its own cluster's size
     with Pool(_Screening(graph, profile, options, tables, ScreenMemo()), options.workers) as pool:
         feasible, count, min_peak = _screen_all(graph, profile, options, tables, progress, pool)
-        finalists = _finalists(feasible, options)
+        finalists = finalists_of(feasible, options.top_k)
         # the exact evaluations run on the workers when they are up (each takes its table along)
         args = [(f, tables.for_candidate(f.cand)) for f in finalists]
         built = pool.map(_build_task, args) if pool.started else [_build_task(pool.state, a) for a in args]
@@ -445,18 +462,6 @@ def search(graph: Graph, profile: ClusterProfile, options: PlanOptions,
     best = replace(best, solver=replace(best.solver, wall_s=wall, candidates=count))
     log.info("searched %d candidates in %.2fs; best %s", count, wall, _describe(best))
     return SearchResult(best=best, alternatives=tuple(plans[1: options.top_k + 1]), screened=count, wall_s=wall)
-
-
-def _finalists(feasible: list[Screened], options: PlanOptions) -> list[Screened]:
-    """The best screened candidates (each once), to be evaluated exactly; sorts ``feasible`` by time."""
-    feasible.sort(key=lambda s: (s.time_s, s.peak_mem))
-    out: list[Screened] = []
-    seen: set[Candidate] = set()
-    for s in feasible[: max(_EXACT, options.top_k + 1)]:
-        if s.cand not in seen:
-            seen.add(s.cand)
-            out.append(s)
-    return out
 
 
 def _build_task(s: _Screening, arg: tuple[Screened, LayerTable | None]) -> Plan | None:

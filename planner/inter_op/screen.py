@@ -20,6 +20,7 @@ simulation (:mod:`autopar.planner.inter_op.schedule`).
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from autopar.profiles.cost import CostModel
 
 __all__ = ["LayerTable", "Candidate", "Screened", "layer_table", "screen", "ADAM_STEP_BYTES", "group_placements",
            "in_flight", "reserve_for", "ScreenMemo", "block_paths", "dp_time", "divisors",
-           "optimizer_time"]
+           "optimizer_time", "pipeline_time", "FinalistBar", "finalist_count", "finalists_of", "EXACT"]
 
 ADAM_STEP_BYTES = 28.0
 """Bytes an Adam step moves per parameter: fp32 master, m and v read+written (24) + gradient read + param write."""
@@ -343,6 +344,30 @@ class ScreenMemo:
         return out
 
 
+def pipeline_time(cand: Candidate, table: LayerTable, cost: CostModel, *, p2p_intra: bool,
+                  memo: ScreenMemo) -> float | None:
+    """The pipeline part of :func:`screen`'s time (compute, the schedule's work and the fill/drain transfers: all
+    but the data-parallel communication and the optimizer step, which only add to it); None when the candidate
+    cannot be built.  A lower bound on the candidate's screened time, so the search can skip costing the rest of a
+    candidate that cannot be among its finalists."""
+    got = memo.ranks(table, cand.recompute, cand.pp, cand.virtual_stages, cost, p2p_intra)
+    return None if got is None else _pipe(cand, got, cost)
+
+
+def _pipe(cand: Candidate, got: tuple, cost: CostModel) -> float:
+    _, sum_times, p2p, ranks, _ = got
+    pp, v, m = cand.pp, cand.virtual_stages, cand.num_microbatches
+    k = pp * v
+    pm = cost.runtime_overhead("pipeline_microbatch") if pp > 1 else 0.0  # the schedule's work per chunk and mb
+    busiest = max(r[0] for r in ranks) + v * pm
+    sum_times += k * pm
+    if cand.schedule == "interleaved_1f1b":
+        pipe = m * busiest + (pp - 1) * busiest / v
+    else:
+        pipe = (m - 1) * busiest + sum_times
+    return pipe + 2 * (k - 1) * p2p
+
+
 def screen(cand: Candidate, table: LayerTable, cost: CostModel, *, dtype: str, capacity: float,
            p2p_intra: bool, overlap_grad_sync: bool = True, memo: ScreenMemo | None = None,
            reduce_dtype: str = "float32", dp_collectives: str = "unit") -> Screened | None:
@@ -351,11 +376,10 @@ def screen(cand: Candidate, table: LayerTable, cost: CostModel, *, dtype: str, c
     Pass one ``memo`` to every call of a search to skip recomputing what does not depend on the candidate."""
     memo = memo or ScreenMemo()
     pp, v, m = cand.pp, cand.virtual_stages, cand.num_microbatches
-    k = pp * v
     got = memo.ranks(table, cand.recompute, pp, v, cost, p2p_intra)
     if got is None:
         return None
-    chunks, sum_times, p2p, ranks, alike = got
+    chunks, _, _, ranks, alike = got
     pm = cost.runtime_overhead("pipeline_microbatch") if pp > 1 else 0.0  # the schedule's work per chunk and mb
     mixed = dtype != "float32"
     worst_end, peak = 0.0, 0.0
@@ -385,15 +409,52 @@ def screen(cand: Candidate, table: LayerTable, cost: CostModel, *, dtype: str, c
                        param_tensors=tensors)
         opt = optimizer_time(cost, params=params, tensors=tensors, zero=zero, dp=dp, tp=tp)
         worst_end = max(worst_end, comm.total_s + opt)
-    busiest = max(r[0] for r in ranks) + v * pm
-    sum_times += k * pm
-    if cand.schedule == "interleaved_1f1b":
-        pipe = m * busiest + (pp - 1) * busiest / v
-    else:
-        pipe = (m - 1) * busiest + sum_times
-    pipe += 2 * (k - 1) * p2p
-    total = pipe + worst_end
+    total = _pipe(cand, got, cost) + worst_end
     return Screened(cand, total, peak, peak <= capacity, tuple(chunks))
+
+
+EXACT = 24
+"""Screened candidates evaluated exactly (at least; one more than the alternatives asked for)."""
+
+
+def finalist_count(top_k: int) -> int:
+    """How many screened candidates the search evaluates exactly."""
+    return max(EXACT, top_k + 1)
+
+
+def finalists_of(feasible: list[Screened], top_k: int) -> list[Screened]:
+    """The best screened candidates (each once), to be evaluated exactly; sorts ``feasible`` by time."""
+    feasible.sort(key=lambda s: (s.time_s, s.peak_mem))
+    out: list[Screened] = []
+    seen: set[Candidate] = set()
+    for s in feasible[: finalist_count(top_k)]:
+        if s.cand not in seen:
+            seen.add(s.cand)
+            out.append(s)
+    return out
+
+
+class FinalistBar:
+    """The time a screened candidate must beat to be among the finalists, from the fitting candidates seen so far: the
+    ``keep``-th best time (infinite until ``keep`` fit).  A candidate whose :func:`pipeline_time` (a lower bound on
+    its screened time) is already above it cannot be a finalist, so screening skips costing its memory and data-
+    parallel communication.  Every finalist is kept whatever the order or split of the units: a finalist's time is
+    at most the ``keep``-th best of all fitting candidates, so at most the ``keep``-th best of any subset."""
+
+    __slots__ = ("keep", "_heap")
+
+    def __init__(self, keep: int) -> None:
+        self.keep, self._heap = keep, []  # the negated times of the best ``keep`` so far (a max-heap)
+
+    @property
+    def time(self) -> float:
+        return -self._heap[0] if len(self._heap) == self.keep else math.inf
+
+    def add(self, t: float) -> None:
+        if len(self._heap) < self.keep:
+            heapq.heappush(self._heap, -t)
+        elif t < -self._heap[0]:
+            heapq.heapreplace(self._heap, -t)
 
 
 def divisors(n: int) -> list[int]:
