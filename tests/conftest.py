@@ -50,6 +50,23 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _eager_ranks(request: pytest.FixtureRequest):  # noqa: ANN201 - a generator fixture
+    """In a module of multi-process tests the ranks run eagerly: ``TRITON_INTERPRET`` (set above for the kernel
+    tests) is removed for the module, its module-scoped fixtures included (an autouse fixture is set up first in its
+    scope), so that ranks and torchrun workers, which inherit the environment, do not run every fused kernel in
+    Triton's Python interpreter (that doubled the CPU time of a 2-rank run).  A module whose subject is the fused
+    kernels in ranks keeps it with ``INTERPRETED_TRITON = True`` (tests/integration/test_fusion_runtime.py)."""
+    module = request.module
+    mine = (i for i in request.session.items if getattr(i, "module", None) is module)
+    if getattr(module, "INTERPRETED_TRITON", False) or not any(i.get_closest_marker("multiprocess") for i in mine):
+        yield
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("TRITON_INTERPRET", raising=False)
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _multiprocess_guard(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Outside tests marked ``multiprocess``, starting ranks (torch.multiprocessing, torchrun) is an error."""

@@ -15,6 +15,7 @@ import pytest
 from harness import parity_worker, spawn
 
 pytestmark = pytest.mark.multiprocess  # every test here starts gloo ranks
+INTERPRETED_TRITON = True  # the ranks run the fused kernels (tests/conftest.py removes TRITON_INTERPRET elsewhere)
 
 MODELS = ["gpt-tiny", "llama-tiny"]
 RTOL = 1e-5
