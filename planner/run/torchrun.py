@@ -187,7 +187,8 @@ class WorkerFailure(AutoparError):
 
 
 def _summary(failures: Path, rc: int) -> str:
-    """One line for a failed run: the rank and cause, a full disk first (it explains the others' failures)."""
+    """One line for a failed run: the rank and cause, a full disk first (it explains the others' failures), from
+    torchrun's last attempt that reported one (named when the group was restarted)."""
     found = []
     for f in failures.glob("rank*.txt"):
         try:
@@ -197,6 +198,9 @@ def _summary(failures: Path, rc: int) -> str:
     if not found:
         return (f"the workers failed (torchrun exit {rc}) without reporting a cause: a rank was killed or ran out "
                 "of memory? see the output above")
+    last = max(int(r.get("attempt", 0)) for r in found)
+    found = [r for r in found if int(r.get("attempt", 0)) == last]
+    when = f" (torchrun restart {last}, the last to report a cause)" if last else ""
 
     def order(r: dict[str, Any]) -> tuple[int, int]:
         full = r.get("errno") == errno.ENOSPC or "No space left" in r["cause"]
@@ -204,7 +208,7 @@ def _summary(failures: Path, rc: int) -> str:
 
     first = min(found, key=order)
     others = f" ({len(found) - 1} other rank(s) failed too)" if len(found) > 1 else ""
-    return f"rank {first['rank']} failed: {first['cause']}{others}; the workers' output is above"
+    return f"rank {first['rank']} failed{when}: {first['cause']}{others}; the workers' output is above"
 
 
 def _stop_group(proc: subprocess.Popen[Any]) -> None:

@@ -289,7 +289,8 @@ def format_report(r: dict[str, Any]) -> str:
 
 
 FAILURE_DIR_ENV = "AUTOPAR_FAILURE_DIR"
-"""Set by the launcher: each failing rank writes ``rank<N>.txt`` there, one line, for its one-line summary."""
+"""Set by the launcher: each failing rank writes ``rank<N>.attempt<A>.txt`` there (``A``: torchrun's restart count),
+one line, for its one-line summary."""
 
 
 def _record_failure(e: BaseException) -> None:
@@ -299,9 +300,11 @@ def _record_failure(e: BaseException) -> None:
     text = str(e).strip().splitlines()[0][:500] if str(e).strip() else ""
     line = f"{type(e).__name__}: {text}" if text else type(e).__name__
     rank = os.environ.get("RANK", "?")
-    try:
-        with open(os.path.join(where, f"rank{rank}.txt"), "w") as f:
-            f.write(json.dumps({"rank": rank, "cause": line, "errno": getattr(e, "errno", None)}))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    try:  # one file per rank and torchrun attempt: a restarted group's causes do not overwrite the first's
+        with open(os.path.join(where, f"rank{rank}.attempt{attempt}.txt"), "w") as f:
+            f.write(json.dumps({"rank": rank, "cause": line, "errno": getattr(e, "errno", None),
+                                "attempt": int(attempt) if attempt.isdigit() else 0}))
     except OSError:  # the summary is best effort (a full disk may refuse it too)
         pass
 
@@ -310,7 +313,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
+    try:
+        dist.init_process_group(backend)
+    except BaseException as e:  # a rendezvous that fails is a rank's cause too
+        _record_failure(e)
+        raise
     if dist.get_rank() != 0:  # informational messages (checkpoint saved, resumed...) once, from rank 0
         logging.getLogger().setLevel(logging.WARNING)
     try:

@@ -342,6 +342,22 @@ def test_worker_failure_summary_puts_a_full_disk_first(tmp_path: Path) -> None:
     assert "without reporting a cause" in _summary(tmp_path, 1)
 
 
+def test_worker_failure_summary_names_the_last_attempt_that_reported(tmp_path: Path) -> None:
+    """After torchrun restarted the group, the first attempt's cause (the peer that died) is not the run's."""
+    import json
+
+    from autopar.planner.run.torchrun import _summary
+
+    (tmp_path / "rank0.attempt0.txt").write_text(json.dumps({"rank": "0", "cause": "RuntimeError: Connection reset "
+                                                             "by peer", "errno": None, "attempt": 0}))
+    assert _summary(tmp_path, 1).startswith("rank 0 failed: RuntimeError: Connection reset")
+    (tmp_path / "rank1.attempt1.txt").write_text(json.dumps({"rank": "1", "cause": "DistStoreError: timed out",
+                                                             "errno": None, "attempt": 1}))
+    line = _summary(tmp_path, 1)
+    assert line.startswith("rank 1 failed (torchrun restart 1, the last to report a cause): DistStoreError"), line
+    assert "other rank" not in line
+
+
 # ----------------------------------------------------------------------------------------------------- determinism
 
 
