@@ -179,6 +179,52 @@ def _pipeline_overhead(device: torch.device, sync: Callable[[], None], repeats: 
     return max(_time_calls(scheduled, sync, repeats, 5) - _time_calls(plain, sync, repeats, 5), 0.0) / m
 
 
+def pipeline_overhead_two_ranks(device: torch.device, rank: int, repeats: int, group: Any = None,
+                                microbatches: int = 8) -> float:
+    """Seconds per micro-batch and stage that a two-stage 1F1B schedule on ranks 0 and 1 (``rank``, in ``group``)
+    adds to each stage's forward and backward, its sends and receives included: with NCCL they overlap compute, on
+    gloo each stage waits for every activation and gradient, in the steady state too.  The schedule's time over the
+    ``m + 1`` micro-batch slots the cost model gives a two-stage 1F1B (``(m - 1) R + 2 R``, ``R`` a stage's time per
+    micro-batch, :mod:`autopar.planner.inter_op.screen`), less one stage's forward and backward of a micro-batch run
+    in a plain loop on both ranks at once.  Both ranks call it; the returned number is rank 0's (rank 0 finishes
+    the schedule last)."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    m = microbatches
+    net = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)]).to(device)
+    x, tgt = torch.ones(2 * m, 8, device=device), torch.zeros(2 * m, device=device)
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return out.sum() + 0 * target.sum()
+
+    stage = PipelineStage(net, rank, 2, device, group=group)  # shapes inferred on the first step
+    schedule = Schedule1F1B(stage, n_microbatches=m, loss_fn=loss_fn)
+
+    def scheduled() -> None:
+        if rank == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=tgt, losses=[])
+
+    def plain() -> None:
+        for xi in torch.chunk(x, m):
+            net(xi).sum().backward()
+
+    def timed(fn: Callable[[], None]) -> float:
+        fn()
+        samples = []
+        for _ in range(max(repeats, 5)):
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+        return statistics.median(samples)
+
+    sched, alone = timed(scheduled), timed(plain)
+    return max(sched / (m + 1) - alone / m, 0.0)
+
+
 def _fsdp_overheads(device: torch.device, sync: Callable[[], None], repeats: int, per_pass: float,
                     units: int, group: Any) -> dict[str, float]:
     from torch.distributed.device_mesh import DeviceMesh

@@ -16,7 +16,8 @@ a real run):
   multiply per pass here, a view about half); on CPU also the runtime's eager work beyond the model's ops
   (``runtime_overhead``: AdamW's step per parameter tensor and the ops it dispatches, FSDP2's hooks per unit and
   per parameter tensor, the pipeline schedule's work per micro-batch; in one process of its own, a one-rank gloo
-  group, relative to its own op cost per pass);
+  group, relative to its own op cost per pass; with two ranks or more the pipeline schedule's is measured again on
+  ranks 0 and 1, a two-stage 1F1B with its sends, and that one is kept: on gloo the sends do not overlap compute);
 - collectives over message sizes (1 KiB .. 64 MiB by powers of 4; ``quick``: 1 KiB .. 1 MiB) on groups of
   2, 4, .. ``ranks`` ranks: ``all_reduce``, ``all_gather_single`` / ``reduce_scatter_single`` (the
   ``*_into_tensor`` / ``*_tensor`` forms on older torch) and
@@ -57,6 +58,7 @@ from autopar.profiles.eager import (  # noqa: F401  (re-exported: the profiler's
     _training_op_overhead,
     measure_runtime_overheads,
     oversubscribed,
+    pipeline_overhead_two_ranks,
     time_concurrent,
 )
 from autopar.profiles.fit import busbw_from_beta, fit_alpha_beta
@@ -359,11 +361,18 @@ def _worker(rank: int, opts: ProfileOptions, port: int, backend: str, result_pat
             dist.barrier()
             torch.set_num_threads(1)
             links = _measure_links(opts, device, rank, prog) if opts.ranks > 1 else None
+            pipeline = None
+            if not cuda and opts.ranks > 1:  # gloo: the pipeline schedule with its sends, on ranks 0 and 1
+                pair = dist.new_group([0, 1]) if opts.ranks > 2 else None
+                if rank < 2:
+                    pipeline = pipeline_overhead_two_ranks(device, rank, opts.repeats or 5, pair)
+                dist.barrier()
         finally:
             if prog is not None:
                 prog.stop()
         if rank == 0:
-            Path(result_path).write_text(json.dumps({"device": dev, "links": links, "threads": threads}))
+            Path(result_path).write_text(json.dumps({"device": dev, "links": links, "threads": threads,
+                                                     "pipeline_microbatch_s": pipeline}))
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -393,6 +402,10 @@ def _measure(opts: ProfileOptions) -> tuple[ClusterProfile, dict[str, Any]]:
         dev = data["device"]
         dev["runtime_overhead"] = measure_runtime_overheads(threads=data["threads"], repeats=opts.repeats or 5)
         dev["sources"]["runtime_overhead"] = dev["sources"]["op_overhead"] + " (one process)"
+        if data.get("pipeline_microbatch_s") is not None:  # the two-rank schedule, sends included, replaces the
+            # one-rank one: on gloo a stage waits for each micro-batch's activation and gradient
+            dev["runtime_overhead"]["pipeline_microbatch"] = data["pipeline_microbatch_s"] / dev["launch_overhead_s"]
+            dev["sources"]["runtime_overhead"] += "; pipeline_microbatch: a two-rank 1F1B schedule with its sends"
     links: dict[str, Any] = {}
     if data["links"] is not None:
         links["intra_node"] = data["links"]["tables"]

@@ -32,3 +32,7 @@ def test_quick_profile_two_ranks(tmp_path) -> None:
     assert cm.matmul_time(m=128, n=128, k=128) > 0
     with pytest.raises(ValueError, match="inter_node"):
         cm.p2p_time(1024, intra_node=False)
+    # the pipeline schedule's work per micro-batch and stage comes from a two-rank 1F1B with its sends: on gloo a
+    # stage waits for each activation and gradient, which a one-rank schedule cannot show
+    assert "two-rank 1F1B" in prof.device.sources["runtime_overhead"]
+    assert 0 < cm.runtime_overhead("pipeline_microbatch") < 0.1
