@@ -13,6 +13,7 @@ cluster (in nodes) on which the model does fit.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -31,7 +32,6 @@ from autopar.planner.inter_op.screen import (
     finalist_count,
     finalists_of,
     param_floor,
-    pipeline_time,
 )
 from autopar.planner.intra_op import IntraOpOptions, solve_graph
 from autopar.planner.intra_op.coster import gradient_values
@@ -306,13 +306,10 @@ def _screen_unit(s: _Screening, unit: tuple[int, int, int], bar: FinalistBar | N
                     for lean, ep, table in variants:
                         c = Candidate(pp, dp, tp, mb, m, sched, v, zero, rc, lean, cp, ep)
                         count += 1
-                        if bar is not None:
-                            lower = pipeline_time(c, table, cost, p2p_intra=p2p_intra, memo=s.memo)
-                            if lower is None or lower > bar.time:
-                                continue
                         sc = screen(c, table, cost, dtype=options.dtype, capacity=capacity, p2p_intra=p2p_intra,
                                     overlap_grad_sync=options.overlap_grad_sync, memo=s.memo,
-                                    reduce_dtype=options.reduce_dtype, dp_collectives=options.dp_collectives)
+                                    reduce_dtype=options.reduce_dtype, dp_collectives=options.dp_collectives,
+                                    bound=bar.time if bar is not None else math.inf)
                         if sc is None:
                             continue
                         min_peak = min(min_peak, sc.peak_mem)

@@ -35,7 +35,7 @@ from autopar.profiles.cost import CostModel
 
 __all__ = ["LayerTable", "Candidate", "Screened", "layer_table", "screen", "ADAM_STEP_BYTES", "group_placements",
            "in_flight", "reserve_for", "ScreenMemo", "block_paths", "dp_time", "divisors",
-           "optimizer_time", "pipeline_time", "FinalistBar", "finalist_count", "finalists_of", "EXACT"]
+           "optimizer_time", "FinalistBar", "finalist_count", "finalists_of", "EXACT"]
 
 ADAM_STEP_BYTES = 28.0
 """Bytes an Adam step moves per parameter: fp32 master, m and v read+written (24) + gradient read + param write."""
@@ -344,20 +344,22 @@ class ScreenMemo:
         return out
 
 
-def pipeline_time(cand: Candidate, table: LayerTable, cost: CostModel, *, p2p_intra: bool,
-                  memo: ScreenMemo) -> float | None:
-    """The pipeline part of :func:`screen`'s time (compute, the schedule's work and the fill/drain transfers: all
-    but the data-parallel communication and the optimizer step, which only add to it); None when the candidate
-    cannot be built.  A lower bound on the candidate's screened time, so the search can skip costing the rest of a
-    candidate that cannot be among its finalists."""
-    got = memo.ranks(table, cand.recompute, cand.pp, cand.virtual_stages, cost, p2p_intra)
-    return None if got is None else _pipe(cand, got, cost)
+def screen(cand: Candidate, table: LayerTable, cost: CostModel, *, dtype: str, capacity: float,
+           p2p_intra: bool, overlap_grad_sync: bool = True, memo: ScreenMemo | None = None,
+           reduce_dtype: str = "float32", dp_collectives: str = "unit", bound: float = math.inf) -> Screened | None:
+    """Closed-form time and memory of a candidate (see the module docstring); None if it cannot be built, or when
+    its pipeline time alone (compute, the schedule's work and the fill/drain transfers, to which data-parallel
+    communication and the optimizer step only add) exceeds ``bound``: then memory and the rest are not costed (the
+    search's :class:`FinalistBar`).
 
-
-def _pipe(cand: Candidate, got: tuple, cost: CostModel) -> float:
-    _, sum_times, p2p, ranks, _ = got
+    Pass one ``memo`` to every call of a search to skip recomputing what does not depend on the candidate."""
+    memo = memo or ScreenMemo()
     pp, v, m = cand.pp, cand.virtual_stages, cand.num_microbatches
     k = pp * v
+    got = memo.ranks(table, cand.recompute, pp, v, cost, p2p_intra)
+    if got is None:
+        return None
+    chunks, sum_times, p2p, ranks, alike = got
     pm = cost.runtime_overhead("pipeline_microbatch") if pp > 1 else 0.0  # the schedule's work per chunk and mb
     busiest = max(r[0] for r in ranks) + v * pm
     sum_times += k * pm
@@ -365,22 +367,9 @@ def _pipe(cand: Candidate, got: tuple, cost: CostModel) -> float:
         pipe = m * busiest + (pp - 1) * busiest / v
     else:
         pipe = (m - 1) * busiest + sum_times
-    return pipe + 2 * (k - 1) * p2p
-
-
-def screen(cand: Candidate, table: LayerTable, cost: CostModel, *, dtype: str, capacity: float,
-           p2p_intra: bool, overlap_grad_sync: bool = True, memo: ScreenMemo | None = None,
-           reduce_dtype: str = "float32", dp_collectives: str = "unit") -> Screened | None:
-    """Closed-form time and memory of a candidate (see the module docstring); None if it cannot be built.
-
-    Pass one ``memo`` to every call of a search to skip recomputing what does not depend on the candidate."""
-    memo = memo or ScreenMemo()
-    pp, v, m = cand.pp, cand.virtual_stages, cand.num_microbatches
-    got = memo.ranks(table, cand.recompute, pp, v, cost, p2p_intra)
-    if got is None:
+    pipe += 2 * (k - 1) * p2p
+    if pipe > bound:
         return None
-    chunks, _, _, ranks, alike = got
-    pm = cost.runtime_overhead("pipeline_microbatch") if pp > 1 else 0.0  # the schedule's work per chunk and mb
     mixed = dtype != "float32"
     worst_end, peak = 0.0, 0.0
     flights = in_flight(cand.schedule, pp, m, v)
@@ -409,7 +398,7 @@ def screen(cand: Candidate, table: LayerTable, cost: CostModel, *, dtype: str, c
                        param_tensors=tensors)
         opt = optimizer_time(cost, params=params, tensors=tensors, zero=zero, dp=dp, tp=tp)
         worst_end = max(worst_end, comm.total_s + opt)
-    total = _pipe(cand, got, cost) + worst_end
+    total = pipe + worst_end
     return Screened(cand, total, peak, peak <= capacity, tuple(chunks))
 
 
@@ -436,10 +425,11 @@ def finalists_of(feasible: list[Screened], top_k: int) -> list[Screened]:
 
 class FinalistBar:
     """The time a screened candidate must beat to be among the finalists, from the fitting candidates seen so far: the
-    ``keep``-th best time (infinite until ``keep`` fit).  A candidate whose :func:`pipeline_time` (a lower bound on
-    its screened time) is already above it cannot be a finalist, so screening skips costing its memory and data-
-    parallel communication.  Every finalist is kept whatever the order or split of the units: a finalist's time is
-    at most the ``keep``-th best of all fitting candidates, so at most the ``keep``-th best of any subset."""
+    ``keep``-th best time (infinite until ``keep`` fit).  A candidate whose pipeline time (a lower bound on its
+    screened time: :func:`screen`'s ``bound``) is already above it cannot be a finalist, so screening skips costing
+    its memory and data-parallel communication.  Every finalist is kept whatever the order or split of the units: a
+    finalist's time is at most the ``keep``-th best of all fitting candidates, so at most the ``keep``-th best of any
+    subset."""
 
     __slots__ = ("keep", "_heap")
 
