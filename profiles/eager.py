@@ -151,6 +151,19 @@ def measure_runtime_overheads(*, threads: int = 1, repeats: int = 5) -> dict[str
         proc.join()
 
 
+def _pipeline_probe(device: torch.device, microbatches: int
+                    ) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor, Callable[..., torch.Tensor]]:
+    """The stage both pipeline measurements time: four tiny linears, ``microbatches`` micro-batches of 2 samples and
+    their targets, and a loss that reads both."""
+    net = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)]).to(device)
+    x, tgt = torch.ones(2 * microbatches, 8, device=device), torch.zeros(2 * microbatches, device=device)
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return out.sum() + 0 * target.sum()
+
+    return net, x, tgt, loss_fn
+
+
 def _pipeline_overhead(device: torch.device, sync: Callable[[], None], repeats: int, group: Any,
                        microbatches: int = 4) -> float:
     """Seconds per micro-batch that ``torch.distributed.pipelining``'s schedule adds to one stage's forward and
@@ -159,12 +172,7 @@ def _pipeline_overhead(device: torch.device, sync: Callable[[], None], repeats: 
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     m = microbatches
-    net = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)]).to(device)
-    x, tgt = torch.ones(2 * m, 8, device=device), torch.zeros(2 * m, device=device)
-
-    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return out.sum() + 0 * target.sum()
-
+    net, x, tgt, loss_fn = _pipeline_probe(device, m)
     stage = PipelineStage(net, 0, 1, device, group=group, input_args=(torch.empty(2, 8, device=device),),
                           output_args=(torch.empty(2, 8, device=device),))
     schedule = Schedule1F1B(stage, n_microbatches=m, loss_fn=loss_fn)
@@ -192,12 +200,7 @@ def pipeline_overhead_two_ranks(device: torch.device, rank: int, repeats: int, g
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     m = microbatches
-    net = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)]).to(device)
-    x, tgt = torch.ones(2 * m, 8, device=device), torch.zeros(2 * m, device=device)
-
-    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return out.sum() + 0 * target.sum()
-
+    net, x, tgt, loss_fn = _pipeline_probe(device, m)
     stage = PipelineStage(net, rank, 2, device, group=group)  # shapes inferred on the first step
     schedule = Schedule1F1B(stage, n_microbatches=m, loss_fn=loss_fn)
 
