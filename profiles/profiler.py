@@ -39,12 +39,13 @@ import os
 import platform
 import socket
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -122,6 +123,23 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def exit_without_finalization(code: int = 0) -> NoReturn:
+    """End a rank whose process groups are destroyed without the interpreter's finalization.
+
+    After ``destroy_process_group()`` a gloo worker thread may still hold the last collective's work, whose tensors
+    are owned by Python.  When it lets go of them while the interpreter finalizes, taking the GIL ends the thread
+    inside a C++ destructor and the whole process aborts (``terminate called without an active exception``,
+    SIGABRT) after its work is done and saved: seen about once in 25-50 two-rank runs on a loaded machine
+    (pytorch/pytorch#179291 describes the race).  Flush what was written and leave with ``os._exit``."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken stream has nothing left to flush
+            pass
+    os._exit(code)
 
 
 def _sync_fn(device: torch.device) -> Callable[[], None]:
@@ -376,6 +394,7 @@ def _worker(rank: int, opts: ProfileOptions, port: int, backend: str, result_pat
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    exit_without_finalization(0)  # only after a clean finish: a raised error goes back to mp.spawn as usual
 
 
 def measure_profile(ranks: int = 2, *, quick: bool = False, **options: Any) -> ClusterProfile:

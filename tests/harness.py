@@ -11,7 +11,6 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import re
-import sys
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +21,7 @@ import torch.multiprocessing as mp
 from torch.distributed.tensor.debug import CommDebugMode
 
 from autopar import ir
-from autopar.profiles.profiler import free_port
+from autopar.profiles.profiler import exit_without_finalization, free_port
 
 __all__ = ["COLWISE", "ROWWISE", "JobFailed", "collective_counts", "comm_mode", "free_port", "make_plan",
            "megatron_shardings", "parity_worker", "reference_step", "spawn", "spawn_jobs"]
@@ -190,11 +189,7 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
         dist.barrier()  # no rank tears its process group down while a peer still talks to it
     finally:
         dist.destroy_process_group()
-    # Leave without the interpreter's teardown: gloo's background threads occasionally abort the process there
-    # ("terminate called without an active exception", SIGABRT) after the work is done and saved.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_finalization(0)  # gloo's threads can abort an interpreter's teardown after the work is saved
 
 
 def spawn(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
@@ -237,9 +232,7 @@ def _jobs_entry(rank: int, world: int, port: int, jobs: list[tuple[str, Callable
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # as in _entry: no interpreter teardown
+    exit_without_finalization(0)  # as in _entry
 
 
 def spawn_jobs(world: int, jobs: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]]) -> JobResults:

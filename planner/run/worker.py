@@ -341,4 +341,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from autopar.profiles.profiler import exit_without_finalization
+
+    exit_without_finalization(main())  # an error raised by main() still exits through Python, with its traceback
