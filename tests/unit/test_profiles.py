@@ -314,3 +314,25 @@ def test_fit_recovers_alpha_beta() -> None:
     assert alpha == pytest.approx(2e-4, rel=1e-6) and beta == pytest.approx(1e-9, rel=1e-6)
     alpha, beta = fit_alpha_beta([1.0, 2.0, 3.0], [3.0, 2.0, 1.0])  # decreasing data: constrained, finite
     assert alpha >= 0 and beta > 0 and math.isfinite(beta)
+
+
+def test_exit_without_finalization_flushes_and_keeps_the_exit_code() -> None:
+    """A rank leaving through os._exit still delivers its buffered output (stdout is a pipe: block-buffered) and
+    its exit status; the logging handlers are flushed too."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # buffered, as a rank's pipe is
+    code = ("import logging, sys\n"
+            "from autopar.profiles.profiler import exit_without_finalization\n"
+            "logging.basicConfig(level=logging.INFO, format='%(message)s', stream=sys.stdout)\n"
+            "print('step 0', end=' ')\n"
+            "logging.getLogger('x').info('saved')\n"
+            "sys.stderr.write('err')\n"
+            "exit_without_finalization(3)\n"
+            "print('never')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 3
+    assert r.stdout == "step 0 saved\n"
+    assert r.stderr == "err"
