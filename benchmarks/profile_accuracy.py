@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from autopar.profiles import CostModel, load_profile
-from autopar.profiles.profiler import free_port, run_profile_command, time_collective
+from autopar.profiles.profiler import exit_without_finalization, free_port, run_profile_command, time_collective
 
 KIB = 1024
 UNSEEN_SIZES = (3 * KIB, 48 * KIB, 768 * KIB, 6 * KIB * KIB, 24 * KIB * KIB)  # fit used powers of 4 from 1 KiB
@@ -60,6 +60,7 @@ def _worker(rank: int, ranks: int, port: int, threads: int, out: str) -> None:
         Path(out).write_text(repr(rows))
     dist.barrier()
     dist.destroy_process_group()
+    exit_without_finalization(0)  # gloo's threads can abort the interpreter's teardown after the rows are written
 
 
 def main() -> int:

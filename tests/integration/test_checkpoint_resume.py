@@ -138,4 +138,7 @@ def test_killed_rank_resumes_from_last_checkpoint_with_identical_state(tmp_path:
 
 
 if __name__ == "__main__":
+    from autopar.profiles.profiler import exit_without_finalization
+
     train(Path(sys.argv[1]))
+    exit_without_finalization(0)  # as autopar's own worker: gloo's threads can abort the interpreter's teardown
