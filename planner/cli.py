@@ -27,22 +27,12 @@ def _spec(name: str, batch: int = 1, seq: int | None = None) -> Any:
 def _trace(name: str, seq: int | None = None, frontend: str = "auto", cache: bool = True) -> Any:
     """Build ``name`` on the meta device and trace it; a built-in model's graph comes from the graph cache
     (:mod:`autopar.ir.trace_cache`, keyed by the zoo's source) unless ``cache`` is False."""
-    from autopar import ir
+    from autopar.ir.limits import MAX_SEQ, check_bound
+    from autopar.planner.graphs import traced_graph
 
-    def make() -> Any:
-        spec = _spec(name, 1, seq)
-        return ir.verify(ir.trace(spec.model, spec.example_inputs, frontend=frontend, model_name=name))  # type: ignore
-
-    from autopar.zoo import list_models
-
-    if not cache or name not in list_models():  # a user's factory: its source is not known, so always trace
-        return make()
-    from autopar import zoo
-    from autopar.ir.trace_cache import cached_graph, source_digest
-
-    key = {"zoo": name, "seq": seq, "batch": 1, "frontend": frontend,
-           "zoo_source": source_digest(Path(zoo.__file__).resolve().parent)}
-    return cached_graph(key, make)
+    if seq is not None:
+        check_bound("--seq", seq, MAX_SEQ)
+    return traced_graph(name, seq=seq, frontend=frontend, cache=cache)
 
 
 def _plan_graph(plan: Any, args: argparse.Namespace) -> Any:

@@ -83,7 +83,8 @@ def _multiprocess_guard(request: pytest.FixtureRequest, monkeypatch: pytest.Monk
 
     def popen_init(self: subprocess.Popen, args: object, *a: object, **k: object) -> None:
         argv = args if isinstance(args, (list, tuple)) else [args]
-        if any("torchrun" in str(x) or "torch.distributed.run" in str(x) for x in argv):
+        launchers = ("torchrun", "torch.distributed.run")  # and autopar run's agent, `python -m autopar.planner.run`
+        if any(s in str(x) for x in argv for s in launchers) or "autopar.planner.run" in map(str, argv):
             refuse()
         real_init(self, args, *a, **k)  # type: ignore[arg-type]
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 __all__ = ["materialize", "init_weights", "INIT_STD"]
 
@@ -55,6 +56,25 @@ def init_weights(model: nn.Module, seed: int = 0) -> None:
                     p.fill_(1.0 if name == "weight" else 0.0)
 
 
+_RANDOM_INIT = frozenset({torch.Tensor.normal_, torch.Tensor.uniform_, *(getattr(nn.init, f) for f in (
+    "normal_", "trunc_normal_", "uniform_", "kaiming_normal_", "kaiming_uniform_", "xavier_normal_",
+    "xavier_uniform_"))})
+
+
+class _MetaInitSkipped(TorchFunctionMode):
+    """Random in-place initializations of meta tensors do nothing (they hold no values).  Module constructors call
+    them (``reset_parameters``), and the first meta ``normal_`` of a process imports torch._dynamo (~1.4 s), which
+    the command line (``autopar run``'s checks, ``explain``) would pay on every call for nothing."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
+        kwargs = kwargs or {}
+        if func in _RANDOM_INIT:
+            t = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
+            if isinstance(t, torch.Tensor) and t.is_meta:
+                return t
+        return func(*args, **kwargs)
+
+
 def materialize(
     build_fn: Callable[[], nn.Module], *, device: torch.device | str, dtype: torch.dtype, seed: int
 ) -> nn.Module:
@@ -64,7 +84,7 @@ def materialize(
     Tied weights are restored through the module's ``tie_weights()`` method, if it has one, after the move.
     """
     device = torch.device(device)
-    with torch.device("meta"):
+    with torch.device("meta"), _MetaInitSkipped():
         model = build_fn()
     model = model.to(dtype=dtype)
     if device.type == "meta":

@@ -170,7 +170,10 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
-        cos, sin = rope_tables(cfg.seq, cfg.head_dim, cfg.rope_theta)
+        if torch.empty(0).is_meta:  # built on meta (zoo.materialize): shapes only, reset_buffers fills them later
+            cos, sin = (torch.empty(cfg.seq, cfg.head_dim // 2) for _ in range(2))
+        else:
+            cos, sin = rope_tables(cfg.seq, cfg.head_dim, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 

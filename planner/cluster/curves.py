@@ -248,15 +248,6 @@ def _clip(job: Job, pool: Pool, n: int) -> int:
 def _trace_job(job: Job) -> Any:
     """The job's model traced at batch 1 on the meta device; a built-in model's graph comes from the traced-graph
     cache under the same key ``autopar plan`` uses, so either command's trace serves the other."""
-    from autopar import ir, zoo
-    from autopar.ir.trace_cache import cached_graph, source_digest
+    from autopar.planner.graphs import traced_graph
 
-    def make() -> Any:
-        spec = zoo.build(job.model, batch=1, device="meta", seq=job.seq)
-        return ir.verify(ir.trace(spec.model, spec.example_inputs, frontend="auto", model_name=job.model))
-
-    if job.model not in zoo.list_models():  # a user's factory: its source is not known, so always trace
-        return make()
-    key = {"zoo": job.model, "seq": job.seq, "batch": 1, "frontend": "auto",
-           "zoo_source": source_digest(Path(zoo.__file__).resolve().parent)}
-    return cached_graph(key, make)
+    return traced_graph(job.model, seq=job.seq)

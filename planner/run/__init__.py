@@ -14,7 +14,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only (resolved lazily below)
     from autopar.planner.run.torchrun import check_checkpoint_dir, run_plan, torchrun_command
 
-__all__ = ["check_checkpoint_dir", "run_plan", "torchrun_command"]
+__all__ = ["FAILURE_DIR_ENV", "check_checkpoint_dir", "run_plan", "torchrun_command"]
+
+FAILURE_DIR_ENV = "AUTOPAR_FAILURE_DIR"
+"""Set by the launcher: each failing rank writes ``rank<N>.attempt<A>.txt`` there (``A``: torchrun's restart count),
+one line, for its one-line summary."""
 
 
 def __getattr__(name: str) -> Any:

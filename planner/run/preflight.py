@@ -19,14 +19,12 @@ def plan_graph(plan: Any, model: str, seq: int | None = None) -> Any:
     ``autopar plan`` traces batch 1, ``auto_parallel`` the caller's example batch, hand-made plans the micro or
     global batch: the first of these whose fingerprint is the plan's is used.  Raises SchemaError when none is
     (another model, or another ``--seq``) or when the plan does not fit the graph."""
-    from autopar import ir
     from autopar.ir.plan_check import check_plan_graph
-    from autopar.zoo import build
+    from autopar.planner.graphs import traced_graph
 
     first = None
     for b in dict.fromkeys((plan.micro_batch, 1, plan.global_batch)):
-        meta = build(model, batch=b, device="meta", seq=seq)
-        graph = ir.trace(meta.model, meta.example_inputs, frontend="fx", model_name=model)
+        graph = traced_graph(model, batch=b, seq=seq, frontend="fx")  # a built-in model's from the graph cache
         if graph.fingerprint == plan.graph_fingerprint:
             check_plan_graph(plan, graph)
             return graph

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -24,11 +25,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from autopar import ir
 from autopar.ir.errors import AutoparError
-from autopar.planner.run.worker import FAILURE_DIR_ENV
+from autopar.planner.run import FAILURE_DIR_ENV
 
 __all__ = ["check_checkpoint_dir", "checkpoint_lock", "run_plan", "torchrun_command"]
 
@@ -38,7 +37,8 @@ log = logging.getLogger(__name__)
 def torchrun_command(plan_path: str | Path, model_name: str, steps: int, nproc: int | None = None,
                      extra_torchrun_args: Sequence[str] = (), worker_args: Sequence[str] = (),
                      max_restarts: int = 0) -> list[str]:
-    """The torchrun command line that runs ``autopar.planner.run.worker`` for the plan.
+    """The command line that runs ``autopar.planner.run.worker`` for the plan under torchrun's agent: torchrun's
+    options as torchrun takes them, through :mod:`autopar.planner.run.agent` (workers forked from a preloaded server).
 
     ``max_restarts``: how often torchrun restarts the worker group after a rank fails (``--max-restarts``)."""
     plan = ir.load_plan(plan_path)
@@ -55,7 +55,7 @@ def torchrun_command(plan_path: str | Path, model_name: str, steps: int, nproc: 
         extra = ["--standalone", *extra]
     if max_restarts and not any(a.startswith(("--max-restarts", "--max_restarts")) for a in extra):
         extra = ["--max-restarts", str(max_restarts), *extra]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), *extra,
+    return [sys.executable, "-u", "-m", "autopar.planner.run", "--nproc-per-node", str(n), *extra,
             "-m", "autopar.planner.run.worker", str(plan_path), "--model", model_name, "--steps", str(steps),
             *worker_args]
 
@@ -142,9 +142,6 @@ def run_plan(plan_path: str | Path, model_name: str, steps: int, nproc: int | No
     # port, or a hang) before the new peers overwrite them (pytorch/pytorch#135712, NCCL's unique id alike; in
     # torch 2.13 the shared server is still built only once per agent).
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    if not torch.cuda.is_available():
-        # gloo: connect process pairs on first use (what a collective needs, not the full mesh at init).
-        env.setdefault("TORCH_GLOO_LAZY_INIT", "1")
     log.info("launching: %s", " ".join(cmd))
     try:
         proc = subprocess.Popen(cmd, env=env, start_new_session=True)
@@ -187,8 +184,9 @@ class WorkerFailure(AutoparError):
 
 
 def _summary(failures: Path, rc: int) -> str:
-    """One line for a failed run: the rank and cause, a full disk first (it explains the others' failures), from
-    torchrun's last attempt that reported one (named when the group was restarted)."""
+    """One line for a failed run: the rank and cause, from torchrun's last attempt that reported one (named when the
+    group was restarted).  A full disk comes first (it explains the others' failures), then the rank that failed
+    first: its peers fail after it, in the collective it left ("Connection closed by peer")."""
     found = []
     for f in failures.glob("rank*.txt"):
         try:
@@ -202,9 +200,11 @@ def _summary(failures: Path, rc: int) -> str:
     found = [r for r in found if int(r.get("attempt", 0)) == last]
     when = f" (torchrun restart {last}, the last to report a cause)" if last else ""
 
-    def order(r: dict[str, Any]) -> tuple[int, int]:
+    def order(r: dict[str, Any]) -> tuple[int, float, int]:
         full = r.get("errno") == errno.ENOSPC or "No space left" in r["cause"]
-        return (0 if full else 1, int(r["rank"]) if str(r["rank"]).isdigit() else 1 << 30)
+        when = r.get("time")
+        return (0 if full else 1, when if isinstance(when, (int, float)) else math.inf,
+                int(r["rank"]) if str(r["rank"]).isdigit() else 1 << 30)
 
     first = min(found, key=order)
     others = f" ({len(found) - 1} other rank(s) failed too)" if len(found) > 1 else ""

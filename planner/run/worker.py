@@ -37,7 +37,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["main", "run_worker", "measure_stages", "step_batch", "state_digest"]
+from autopar.planner.run import FAILURE_DIR_ENV
+
+__all__ = ["entry", "main", "run_worker", "measure_stages", "step_batch", "state_digest"]
 
 log = logging.getLogger("autopar.planner.run.worker")  # run as __main__ under torchrun
 
@@ -288,11 +290,6 @@ def format_report(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-FAILURE_DIR_ENV = "AUTOPAR_FAILURE_DIR"
-"""Set by the launcher: each failing rank writes ``rank<N>.attempt<A>.txt`` there (``A``: torchrun's restart count),
-one line, for its one-line summary."""
-
-
 def _record_failure(e: BaseException) -> None:
     where = os.environ.get(FAILURE_DIR_ENV)
     if not where:
@@ -304,7 +301,7 @@ def _record_failure(e: BaseException) -> None:
     try:  # one file per rank and torchrun attempt: a restarted group's causes do not overwrite the first's
         with open(os.path.join(where, f"rank{rank}.attempt{attempt}.txt"), "w") as f:
             f.write(json.dumps({"rank": rank, "cause": line, "errno": getattr(e, "errno", None),
-                                "attempt": int(attempt) if attempt.isdigit() else 0}))
+                                "attempt": int(attempt) if attempt.isdigit() else 0, "time": time.time()}))
     except OSError:  # the summary is best effort (a full disk may refuse it too)
         pass
 
@@ -313,6 +310,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "gloo":  # connect process pairs on first use (what a collective needs, not the full mesh at init)
+        os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
     try:
         dist.init_process_group(backend)
     except BaseException as e:  # a rendezvous that fails is a rank's cause too
@@ -338,6 +337,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             dist.destroy_process_group()
     return 0
+
+
+def entry(*argv: str) -> int:
+    """:func:`main` as the function torchrun's agent forks (:mod:`autopar.planner.run.agent`): the process ends
+    in multiprocessing's ``os._exit`` after it returns, never in the interpreter's teardown (see below).  An error
+    is printed here, as a fresh interpreter's rank prints it (``[rankN]:`` before each line), and ends the process
+    with exit status 1, which torchrun reports (and restarts the group on) as it does a fresh worker's."""
+    try:
+        return main(argv)
+    except Exception:  # noqa: BLE001 - every error is the rank's failure, reported by its exit status
+        import traceback
+
+        rank = os.environ.get("RANK", "?")
+        sys.stderr.write("".join(f"[rank{rank}]: {line}\n" for line in traceback.format_exc().splitlines()))
+        sys.stderr.flush()
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

@@ -42,6 +42,17 @@ def test_worker_failure_is_one_line_naming_rank_and_cause(plan: str, capfd: pyte
     assert last.startswith("autopar: error: rank 1 failed: OSError: [Errno 28] No space left on device"), last
 
 
+def test_the_first_rank_to_fail_is_named_not_the_peers_it_took_down(plan: str,
+                                                                      capfd: pytest.CaptureFixture[str]) -> None:
+    rc = main(["run", plan, "--model", "gpt-tiny", "--steps", "3", "--step-hook", "fault_hooks:crash",
+               "--timeout", "240"])
+    err = capfd.readouterr().err
+    last = err.rstrip("\n").splitlines()[-1]
+    assert rc == 2, err[-3000:]
+    assert last.startswith("autopar: error: rank 1 failed: RuntimeError: injected fault after step 1"), last
+    assert err.count("[rank1]: RuntimeError: injected fault after step 1") == 1, err[-4000:]  # its traceback, once
+
+
 def test_timeout_is_exact_within_a_few_seconds(plan: str, capfd: pytest.CaptureFixture[str]) -> None:
     t0 = time.monotonic()
     rc = main(["run", plan, "--model", "gpt-tiny", "--steps", "3", "--step-hook", "fault_hooks:hang",
