@@ -37,7 +37,6 @@ import logging
 import os
 import shutil
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
@@ -49,18 +48,17 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from autopar.codegen.checkpoint_guard import (
-    STEP_RE,
+from autopar.codegen.checkpoint_dir import (
     CheckpointLock,
-    SafeLoadPlanner,
-    SafeReader,
+    CheckpointOptions,
     UnsafeCheckpointError,
+    _steps,
     check_private,
     confine,
+    latest_checkpoint,
     make_private,
-    read_metadata,
-    resolve_latest,
 )
+from autopar.codegen.checkpoint_guard import SafeLoadPlanner, SafeReader, read_metadata
 from autopar.codegen.runtime.tensor_parallel import permute_chunks, unpermute_chunks
 
 __all__ = ["CheckpointOptions", "Checkpointer", "save_checkpoint", "load_checkpoint", "latest_checkpoint",
@@ -73,26 +71,6 @@ _LATEST = "latest"
 _META = "autopar.json"
 Source = Union[nn.Module, Any, Iterable[tuple[str, nn.Module]]]
 """A ParallelProgram, a plain module, or (fqn prefix, module) pairs whose parameters make up the model."""
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class CheckpointOptions:
-    """When and where a training loop checkpoints."""
-
-    root: str
-    """Directory holding ``step_*`` checkpoints and the ``latest`` marker (shared by all ranks)."""
-    every: int = 100
-    """Save after every ``every``-th step (steps counted from 1); 0 disables periodic saves."""
-    keep: int = 2
-    """Complete checkpoints to keep (older ones are deleted after a successful save); 0 keeps all."""
-
-    def __post_init__(self) -> None:
-        if not self.root:
-            raise ValueError("checkpoint root must be a directory path")
-        if self.every < 0:
-            raise ValueError(f"every must be >= 0, got {self.every}")
-        if self.keep < 0:
-            raise ValueError(f"keep must be >= 0, got {self.keep}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -319,31 +297,6 @@ def _first_line(e: BaseException) -> str:
         e = first[0] if isinstance(first, tuple) else first   # (exception, traceback frames)
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
-
-
-def latest_checkpoint(root: str | Path) -> tuple[Path, int] | None:
-    """(step directory, step) of the newest complete checkpoint under ``root``, or None.
-
-    Trusts the ``latest`` marker when it points to a complete directory, else scans ``step_*`` directories
-    (numerically).  A marker naming anything outside ``root`` raises UnsafeCheckpointError."""
-    root = Path(root)
-    d = resolve_latest(root)
-    if d is not None and (d / ".metadata").is_file():
-        return d, int(d.name[len("step_"):])
-    steps = _steps(root, complete=True)
-    return (steps[-1][1], steps[-1][0]) if steps else None
-
-
-def _steps(root: Path, *, complete: bool) -> list[tuple[int, Path]]:
-    """(step, directory) of ``root/step_<digits>`` real directories, in numeric order."""
-    if not root.is_dir():
-        return []
-    out = []
-    for d in root.iterdir():
-        m = STEP_RE.fullmatch(d.name)
-        if m and not d.is_symlink() and d.is_dir() and (not complete or (d / ".metadata").is_file()):
-            out.append((int(m.group(1)), d))
-    return sorted(out)
 
 
 # ---------------------------------------------------------------------------------------------------------------

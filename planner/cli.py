@@ -220,7 +220,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.report:
         worker += ["--report", str(Path(args.report).resolve())]
     if args.checkpoint_dir:
-        from autopar.codegen.checkpoint import CheckpointOptions
+        from autopar.codegen.checkpoint_dir import CheckpointOptions
 
         ckpt = str(Path(args.checkpoint_dir).resolve())
         CheckpointOptions(root=ckpt, every=args.save_every, keep=args.keep)  # validates before launching

@@ -65,7 +65,7 @@ def check_checkpoint_dir(directory: str | Path, resume: bool) -> int | None:
 
     Without ``resume`` the directory must hold no checkpoint (a fresh run would overwrite it); with ``resume`` it
     must hold one."""
-    from autopar.codegen.checkpoint import latest_checkpoint
+    from autopar.codegen.checkpoint_dir import latest_checkpoint
 
     found = latest_checkpoint(directory)
     if resume and found is None:
@@ -85,7 +85,7 @@ def checkpoint_lock(directory: str | Path | None, torchrun_args: Sequence[str] =
     if directory is None or _node_rank(torchrun_args) != 0:
         yield
         return
-    from autopar.codegen.checkpoint_guard import LOCK_ENV, CheckpointLock, check_private
+    from autopar.codegen.checkpoint_dir import LOCK_ENV, CheckpointLock, check_private
 
     key = str(Path(directory).resolve())
     before = os.environ.get(LOCK_ENV)

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from harness import spawn  # at module level: tests/conftest.py groups this module with the other spawning ones
+
 pytestmark = pytest.mark.multiprocess  # every test here starts gloo ranks
 
 PLANS: list[dict[str, Any]] = [
@@ -95,8 +97,6 @@ def reshard_worker(rank: int, root: str) -> list[dict[str, Any]]:
 
 def test_reshard_round_trip_across_three_plan_changes(tmp_path: Any) -> None:
     from autopar.codegen.checkpoint import latest_checkpoint
-
-    from harness import spawn
 
     history = spawn(reshard_worker, 4, str(tmp_path / "ckpt"))[0]
     assert [h["name"] for h in history] == [p["name"] for p in PLANS]
