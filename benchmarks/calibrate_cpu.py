@@ -177,6 +177,8 @@ def main() -> int:
           f"{t4 * 1e3:.0f} / {t2 * 1e3:.0f} ms); per-op overhead by kind (x launch_overhead_s "
           f"{base[2].device.launch_overhead_s * 1e6:.2f} us): "
           + ", ".join(f"{k} {v:.2f}" for k, v in sorted(base[2].device.op_overhead.items()))
+          + "; DTensor dispatch by kind: "
+          + ", ".join(f"{k} {v:.2f}" for k, v in sorted(base[2].device.dtensor_op_overhead.items()))
           + "; runtime: " + ", ".join(f"{k} {v:.3g}" for k, v in sorted(base[2].device.runtime_overhead.items())))
     print("fitted factors: " + ", ".join(f"{k} x{v:.3g}" for k, v in total.items()))
     print(f"{'plan':36}{'choices':44}{'base ms':>9}{'fit ms':>9}{'meas ms':>9}{'m/base':>8}{'m/fit':>8}"

@@ -172,7 +172,8 @@ class TimeBreakdown:
     contention: float = 0.0
     """Compute time lost while it overlaps data-parallel communication (SM/HBM contention)."""
     dp_exposed: float = 0.0
-    """The data-parallel part of ``exposed_comm`` (first gathers, last reductions, comm-bound steps)."""
+    """The data-parallel part of ``exposed_comm`` (first gathers, last reductions, comm-bound steps), with the
+    gradient all-reduce of parameters tied across pipeline stages."""
     dp_collectives: float = 0.0
     """All data-parallel collective time of the iteration, hidden or not (not part of ``total``)."""
 

@@ -254,11 +254,21 @@ class CostModel:
             ratio = 0.0 if kind == "view" else 1.0
         return dev.launch_overhead_s * ratio
 
-    def sharded_op_extra(self) -> float:
-        """Extra eager time of one op (forward or backward, views included) on tensor-parallel operands: DTensor's
-        dispatch (sharding propagation, local-tensor wrapping) over a plain op's ``launch_overhead_s``."""
+    def sharded_op_extra(self, kind: str | None = None) -> float:
+        """Extra eager time of one op of ``kind`` (forward or backward, views included) on tensor-parallel operands:
+        DTensor's dispatch (sharding propagation, local-tensor wrapping).  From the profile's measured table per kind
+        (``DeviceProfile.dtensor_op_overhead``, scaled by ``sharded_op_overhead``; a kind it lacks: the table's
+        mean), else ``sharded_op_overhead - 1`` launch overheads for every op."""
         dev = self.profile.device
-        return dev.launch_overhead_s * max(dev.sharded_op_overhead - 1.0, 0.0)
+        table = dev.dtensor_op_overhead
+        if not table:
+            return dev.launch_overhead_s * max(dev.sharded_op_overhead - 1.0, 0.0)
+        ratio = table.get(kind) if kind is not None else None
+        if ratio is None and kind == "causal_attention":
+            ratio = table.get("attention")
+        if ratio is None:
+            ratio = sum(table.values()) / len(table)
+        return dev.launch_overhead_s * ratio * dev.sharded_op_overhead
 
     def runtime_overhead(self, kind: str) -> float:
         """Seconds of the runtime's eager work ``kind`` (``DeviceProfile.runtime_overhead``; 0 when not measured)."""

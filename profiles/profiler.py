@@ -419,8 +419,11 @@ def _measure(opts: ProfileOptions) -> tuple[ClusterProfile, dict[str, Any]]:
         data = json.loads(Path(result).read_text())
     if backend == "gloo":  # the runtime's eager work, in a one-rank process group of its own
         dev = data["device"]
-        dev["runtime_overhead"] = measure_runtime_overheads(threads=data["threads"], repeats=opts.repeats or 5)
+        dev["runtime_overhead"], dev["dtensor_op_overhead"] = measure_runtime_overheads(
+            threads=data["threads"], repeats=opts.repeats or 5)
         dev["sources"]["runtime_overhead"] = dev["sources"]["op_overhead"] + " (one process)"
+        dev["sources"]["dtensor_op_overhead"] = (dev["sources"]["op_overhead"] + " (one process: each kind's chain on "
+                                                 "replicated DTensors of a one-rank mesh less on plain tensors)")
         if data.get("pipeline_microbatch_s") is not None:  # the two-rank schedule, sends included, replaces the
             # one-rank one: on gloo a stage waits for each micro-batch's activation and gradient
             dev["runtime_overhead"]["pipeline_microbatch"] = data["pipeline_microbatch_s"] / dev["launch_overhead_s"]

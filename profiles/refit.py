@@ -13,7 +13,8 @@ factor                 what it multiplies (time of ...)
 ``memory``             memory traffic of every op and the optimizer step (``memory_bandwidth`` divided)
 ``overhead``           the fixed per-op cost of an eager training step (``launch_overhead_s`` multiplied)
 ``dtensor``            an op's eager cost on tensor-parallel (DTensor) operands over a plain op's
-                       (``sharded_op_overhead`` multiplied; 1 at the base: no extra dispatch)
+                       (``sharded_op_overhead`` multiplied: a factor on the measured per-kind table
+                       ``dtensor_op_overhead``, or, without one, 1 at the base: no extra dispatch)
 ``fsdp``               FSDP2's eager work per unit and parameter tensor (``runtime_overhead`` ``fsdp_unit`` and
                        ``fsdp_tensor`` multiplied)
 ``link.alpha``         the latency term of every collective, on every level and group size (not p2p)

@@ -149,7 +149,14 @@ class DeviceProfile:
     and HBM bandwidth from the compute kernels they run beside (Galvatron's overlap coefficient, Miao et al.,
     VLDB 2023).  0 means overlapped communication is free."""
     sharded_op_overhead: float = 1.0
-    """Per-op eager cost of an op on tensor-parallel (DTensor) operands, views included, in launch_overhead_s."""
+    """Per-op eager cost of an op on tensor-parallel (DTensor) operands, views included, in launch_overhead_s; with
+    ``dtensor_op_overhead`` a factor on that table instead (1: as measured)."""
+    dtensor_op_overhead: dict[str, float] = field(default_factory=dict)
+    """Per op kind (``profiles.cost.OP_KINDS``): DTensor's extra eager cost of one op of that kind per pass on
+    tensor-parallel operands (sharding propagation, wrapping the local result), in units of ``launch_overhead_s``.
+    ``autopar profile`` measures it on CPU (each kind's chain on replicated DTensors of a one-rank mesh, less on plain
+    tensors).  Empty: every op pays ``sharded_op_overhead - 1``; a kind missing from a measured table pays the
+    table's mean."""
     op_overhead: dict[str, float] = field(default_factory=dict)
     """Per op kind (``profiles.cost.OP_KINDS``): the fixed eager cost of one op of that kind per pass (forward, or
     each backward kernel), in units of ``launch_overhead_s``.  A kind not listed costs 1 (views: 0).  On CPU an
@@ -309,7 +316,8 @@ def _device(v: Any, path: str) -> DeviceProfile:
     d = _mapping(v, path)
     req = {"name", "memory_bytes", "peak_flops", "matmul_efficiency", "memory_bandwidth", "launch_overhead_s"}
     _keys(d, path, req, {"vector_flops", "sustained_fraction", "overlap_slowdown", "causal_attention_efficiency",
-                         "sharded_op_overhead", "op_overhead", "runtime_overhead", "sources"})
+                         "sharded_op_overhead", "dtensor_op_overhead", "op_overhead", "runtime_overhead",
+                         "sources"})
     pf_path = _join(path, "peak_flops")
     peak = {_dtype(k, f"{pf_path}.{k}"): _num(x, f"{pf_path}.{k}") for k, x in _mapping(d["peak_flops"], pf_path).items()}
     if not peak:
@@ -342,6 +350,7 @@ def _device(v: Any, path: str) -> DeviceProfile:
         overlap_slowdown=slow,
         sharded_op_overhead=_num(d.get("sharded_op_overhead", 1.0), _join(path, "sharded_op_overhead")),
         op_overhead=_op_overhead(d.get("op_overhead", {}), _join(path, "op_overhead")),
+        dtensor_op_overhead=_op_overhead(d.get("dtensor_op_overhead", {}), _join(path, "dtensor_op_overhead")),
         runtime_overhead=_op_overhead(d.get("runtime_overhead", {}), _join(path, "runtime_overhead"), RUNTIME_KINDS),
         causal_attention_efficiency=_seq_efficiency(d.get("causal_attention_efficiency", []),
                                                     _join(path, "causal_attention_efficiency")),
@@ -405,6 +414,8 @@ def profile_to_dict(profile: ClusterProfile) -> dict[str, Any]:
             device[key] = getattr(dev, key)
     if dev.op_overhead:
         device["op_overhead"] = dict(dev.op_overhead)
+    if dev.dtensor_op_overhead:
+        device["dtensor_op_overhead"] = dict(dev.dtensor_op_overhead)
     if dev.runtime_overhead:
         device["runtime_overhead"] = dict(dev.runtime_overhead)
     if dev.causal_attention_efficiency:

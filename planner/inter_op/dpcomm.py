@@ -67,7 +67,8 @@ Collective = Callable[[str, float], float]
 
 @dataclass(frozen=True, slots=True)
 class DpComm:
-    """Data-parallel time of one rank per iteration, beyond its compute."""
+    """Data-parallel time of one rank per iteration, beyond its compute (with the gradient all-reduce of parameters
+    tied across pipeline stages, ``inter_op.evaluate``)."""
 
     exposed_s: float
     """Collective time with no compute under it (first gathers, last reduce-scatters, comm-bound steps)."""

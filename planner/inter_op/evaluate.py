@@ -34,6 +34,7 @@ from autopar.planner.inter_op.memory import memory_breakdown, model_state_bytes
 from autopar.planner.inter_op.partition import partition_stages, rank_chunks
 from autopar.planner.inter_op.schedule import ScheduleResult, simulate
 from autopar.planner.inter_op.screen import (
+    Candidate,
     LayerTable,
     Screened,
     block_paths,
@@ -45,7 +46,7 @@ from autopar.planner.inter_op.screen import (
 )
 from autopar.planner.intra_op.cpsat import CPSAT_WORKERS
 from autopar.planner.options import PlanOptions
-from autopar.profiles.cost import CostModel
+from autopar.profiles.cost import CostModel, GroupSpan
 from autopar.profiles.schema import ClusterProfile
 
 __all__ = ["build_plan", "assemble_plan", "param_patterns", "evaluate_stages"]
@@ -102,6 +103,32 @@ def _rank_memory(table: LayerTable, chunks: Sequence[tuple[int, int]], rc: str, 
                             ep=s.cand.ep, expert_elems=rank_expert_elems(table, chunks))
 
 
+def _step_syncs(comms: list[DpComm], tc: Sequence[tuple[LayerTable, CostModel]], c: Candidate) -> list[DpComm]:
+    """``comms`` with the gradient all-reduce of parameters tied across the first and the last pipeline stage
+    (embeddings; Megatron-LM's embedding group does the same), which the runtime runs after every backward pass
+    (``codegen.runtime.program._sync_grads``), added to those two ranks.
+
+    The step's loss all-reduce (one number over every rank, ``_reduce_loss``) is left out: it is pure latency, on
+    GPUs microseconds against seconds, and a CPU profile's small-message latency measured with more ranks than cores
+    (4 on 2) charged it 20 ms where the whole measured collective time of such steps was 2-8 ms."""
+    pp = c.pp
+    out = list(comms)
+    (table, cost) = tc[0]
+
+    def span(size: int, stride: int) -> GroupSpan:  # within the profile (a heterogeneous pipeline's rank
+        s = cost.span(size, stride)                     # costs with its own device group's profile)
+        prof = cost.profile
+        return GroupSpan(devices_per_node=min(s.devices_per_node, prof.devices_per_node),
+                         nodes=min(s.nodes, prof.nodes))
+
+    if pp > 1 and table.shared_params > 0:  # float32 gradients of the tied parameters, two ranks a stage-span apart
+        tie = cost.collective_time("all_reduce", table.shared_params * DTYPE_BYTES["float32"],
+                                   span=span(2, (pp - 1) * c.dp * c.cp * c.tp))
+        for r in (0, pp - 1):
+            out[r] = replace(out[r], exposed_s=out[r].exposed_s + tie, collective_s=out[r].collective_s + tie)
+    return out
+
+
 def evaluate_stages(table: LayerTable, s: Screened, cost: CostModel, options: PlanOptions,
                     chunks: Sequence[tuple[int, int]], p2p_intra: bool,
                     per_rank: Sequence[tuple[LayerTable, CostModel]] = (), p2p_s: Sequence[float] = ()
@@ -151,6 +178,7 @@ def evaluate_stages(table: LayerTable, s: Screened, cost: CostModel, options: Pl
                              overlap=options.overlap_grad_sync, recompute=rcs[r],
                              tensors=tensors if options.dp_collectives == "tensor" else 0, param_tensors=tensors))
         opt = max(opt, optimizer_time(cost, params=params, tensors=tensors, zero=c.zero, dp=c.grad_dp, tp=c.tp))
+    comms = _step_syncs(comms, tc, c)
     sim = simulate(fwd, bwd, pp=pp, num_microbatches=c.num_microbatches, schedule=c.schedule,  # type: ignore[arg-type]
                    virtual_stages=c.virtual_stages, p2p=p2p if p2p else 0.0, optimizer_s=opt,
                    with_events=False)

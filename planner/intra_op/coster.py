@@ -96,7 +96,7 @@ class _Coster:
         the profile's DTensor dispatch (:meth:`~autopar.profiles.cost.CostModel.sharded_op_extra`)."""
         fwd, bwd = self._compute(node, strat)
         if self.t > 1 and node.kind != "input" and node.outputs:
-            extra = self.cost.sharded_op_extra()
+            extra = self.cost.sharded_op_extra(_KIND_MAP.get(node.kind, node.kind))
             return fwd + extra, bwd + (extra if bwd > 0 or node.kind == "view" else 0.0)
         return fwd, bwd
 

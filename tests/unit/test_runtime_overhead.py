@@ -16,7 +16,7 @@ from autopar.planner.options import PlanOptions
 from autopar.planner.search import search
 from autopar.profiles import ClusterProfile, CostModel
 from autopar.profiles.refit import apply_factors
-from autopar.profiles.schema import ProfileError, profile_from_dict, profile_to_dict
+from autopar.profiles.schema import OP_KINDS, ProfileError, profile_from_dict, profile_to_dict
 
 RUNTIME = {"optimizer_tensor": 12.0, "optimizer_dtensor": 60.0, "fsdp_unit": 150.0, "fsdp_tensor": 12.0,
            "pipeline_microbatch": 80.0}
@@ -127,7 +127,36 @@ def test_calibrate_fits_fsdp_factor_only_with_an_fsdp_run() -> None:
 def test_profiler_measures_runtime_overheads() -> None:
     from autopar.profiles.profiler import measure_runtime_overheads
 
-    got = measure_runtime_overheads(repeats=1)
+    got, sharded = measure_runtime_overheads(repeats=1)
     assert set(got) == set(RUNTIME)
     assert all(v >= 0.0 for v in got.values())
+    # DTensor's dispatch per op kind: measured for the kinds a transformer's tensor-parallel region runs
+    assert {"matmul", "pointwise", "view", "norm"} <= set(sharded) <= set(OP_KINDS), sharded
+    assert all(v >= 0.0 for v in sharded.values()) and sharded["matmul"] > 0, sharded
     assert got["optimizer_tensor"] > 0 and got["optimizer_dtensor"] > 0
+
+
+def test_dtensor_dispatch_is_charged_per_op_kind_and_scaled_by_the_fitted_factor() -> None:
+    base = cpu_like()
+    table = {"matmul": 20.0, "pointwise": 2.0, "view": 1.0}
+    measured = dataclasses.replace(base, device=dataclasses.replace(base.device, dtensor_op_overhead=table))
+    launch = base.device.launch_overhead_s
+    cost = CostModel(measured)
+    assert cost.sharded_op_extra("matmul") == pytest.approx(20.0 * launch)
+    assert cost.sharded_op_extra("pointwise") == pytest.approx(2.0 * launch)
+    assert cost.sharded_op_extra("norm") == pytest.approx(23.0 / 3 * launch)  # not measured: the table's mean
+    assert CostModel(apply_factors(measured, {"dtensor": 1.5})).sharded_op_extra("matmul") == pytest.approx(30 * launch)
+    assert CostModel(base).sharded_op_extra("matmul") == 0.0  # no table, sharded_op_overhead 1: no extra
+    assert CostModel(apply_factors(base, {"dtensor": 3.0})).sharded_op_extra("view") == pytest.approx(2.0 * launch)
+    assert profile_from_dict(profile_to_dict(measured)).device.dtensor_op_overhead == table
+    with pytest.raises(ProfileError, match="dtensor_op_overhead"):
+        d = profile_to_dict(measured)
+        d["device"]["dtensor_op_overhead"]["warp"] = 1.0
+        profile_from_dict(d)
+    # a tensor-parallel plan pays it per op: a pointwise-heavy table costs the tp=2 plan less than a matmul-heavy one
+    heavy = dataclasses.replace(base, device=dataclasses.replace(base.device, dtensor_op_overhead={
+        "matmul": 40.0, "pointwise": 1.0, "view": 1.0}))
+    light = dataclasses.replace(base, device=dataclasses.replace(base.device, dtensor_op_overhead={
+        "matmul": 1.0, "pointwise": 1.0, "view": 1.0}))
+    t_heavy, t_light = (plan(p, tp=2, dp=1, pp=1).time.compute for p in (heavy, light))
+    assert t_heavy > t_light
