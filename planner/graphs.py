@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from autopar.zoo import list_models
+from autopar import zoo
 
 __all__ = ["traced_graph"]
 
@@ -21,7 +21,6 @@ def traced_graph(name: str, *, batch: int = 1, seq: int | None = None, frontend:
     A built-in model's graph comes from the traced-graph cache (:mod:`autopar.ir.trace_cache`, keyed by the name,
     batch, sequence length, front end and the zoo's source) unless ``cache`` is False; a ``package.module:factory``
     model's source is not known, so it is always traced."""
-    from autopar import zoo
     from autopar.ir.trace_cache import cached_graph, source_digest
 
     def make() -> Any:
@@ -31,7 +30,7 @@ def traced_graph(name: str, *, batch: int = 1, seq: int | None = None, frontend:
         spec = build(name, batch=batch, device="meta", seq=seq)
         return ir.verify(ir.trace(spec.model, spec.example_inputs, frontend=frontend, model_name=name))
 
-    if not cache or name not in list_models():
+    if not cache or name not in zoo.list_models():
         return make()
     key = {"zoo": name, "seq": seq, "batch": batch, "frontend": frontend,
            "zoo_source": source_digest(Path(zoo.__file__).resolve().parent)}

@@ -186,6 +186,14 @@ def interp_seq_efficiency(points: tuple[SeqEfficiencyPoint, ...], seq: int) -> f
     raise AssertionError("unreachable: table not sorted")
 
 
+def _per_kind(table: dict[str, float], kind: str) -> float | None:
+    """A per-op-kind table's entry for ``kind`` (causal attention falls back to attention's); None if absent."""
+    ratio = table.get(kind)
+    if ratio is None and kind == "causal_attention":
+        ratio = table.get("attention")
+    return ratio
+
+
 class CostModel:
     """Times in seconds for ops, collectives and p2p transfers on ``profile``.
 
@@ -246,10 +254,7 @@ class CostModel:
         """Fixed eager cost of one op of ``kind`` per pass: ``launch_overhead_s`` times the profile's measured ratio
         for the kind (``DeviceProfile.op_overhead``; 1 when not measured, 0 for views)."""
         dev = self.profile.device
-        table = dev.op_overhead
-        ratio = table.get(kind)
-        if ratio is None and kind == "causal_attention":
-            ratio = table.get("attention")
+        ratio = _per_kind(dev.op_overhead, kind)
         if ratio is None:
             ratio = 0.0 if kind == "view" else 1.0
         return dev.launch_overhead_s * ratio
@@ -263,9 +268,7 @@ class CostModel:
         table = dev.dtensor_op_overhead
         if not table:
             return dev.launch_overhead_s * max(dev.sharded_op_overhead - 1.0, 0.0)
-        ratio = table.get(kind) if kind is not None else None
-        if ratio is None and kind == "causal_attention":
-            ratio = table.get("attention")
+        ratio = _per_kind(table, kind) if kind is not None else None
         if ratio is None:
             ratio = sum(table.values()) / len(table)
         return dev.launch_overhead_s * ratio * dev.sharded_op_overhead

@@ -91,4 +91,3 @@ def main(argv: Sequence[str] | None = None) -> None:
         elastic_launch(config=config, entrypoint=entry)(*args.training_script_args)
 
     record(launch)()  # a failed worker group ends in torchrun's error summary and exit status
-
