@@ -27,17 +27,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     misplaced = [i.nodeid for i in items if i.get_closest_marker("multiprocess") and UNIT in Path(i.path).parents]
     if misplaced:
         raise pytest.UsageError(f"multi-process tests belong in tests/integration: {misplaced}")
-    # Under `-n 2` (with pyproject's --dist loadgroup) the multi-process tests form two groups, each run on one
-    # xdist worker one test after another: "spawn" (modules that start ranks with tests/harness.py's spawn or
-    # spawn_jobs) and "launch" (the rest: torchrun and `autopar run` launches, the profiler's own ranks). So at most
-    # two tests' ranks share the cores at a time, and the single-process tests fill both workers around them.
+    # Under `-n 2` (with pyproject's --dist loadgroup) the multi-process tests form one group, run on one xdist worker
+    # one test after another, while the other worker takes the single-process tests. So one test's ranks (2-4
+    # processes) and one single-process test share the two cores. With two groups, one per worker, two tests' ranks
+    # shared them: the suite took 549 s against 500 s (idle 2-core machine), their processes time-slicing each other.
     # xdist groups by an "@group" suffix of the node id, which pytest-xdist 3.8 writes to `item._nodeid`; pytest 9.2
     # keeps the id in `item._id` instead, so the suffix is written there when missing.
     for item in items:
         if not item.get_closest_marker("multiprocess"):
             continue
-        module = getattr(item, "module", None)
-        group = "spawn" if any(hasattr(module, f) for f in ("spawn", "spawn_jobs")) else "launch"
+        group = "ranks"
         item.add_marker(pytest.mark.xdist_group(group))
         if getattr(config.option, "loadgroup", False) and "@" not in item.nodeid and hasattr(item, "_id"):
             from _pytest.nodeid import coerce_node_id
