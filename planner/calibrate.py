@@ -12,12 +12,12 @@ collectives without the wait for the slowest rank, see :func:`measured_observati
 
 The prediction of a plan under a candidate profile is the planner's own: the search re-run with the plan's mesh,
 ZeRO level, micro-batch, schedule and recompute pinned (:func:`predict`), so calibration checks the same code path
-``autopar plan`` uses.  The factors are fitted by :func:`autopar.profiles.refit.fit_factors`; when the fitted profile makes the planner
-shard a measured plan differently (:func:`calibrate_loop`), that plan is re-planned, run and fitted again
-(``--iterations``).  The result is written as a profile
-(``-o fitted.yaml``) with its provenance, plus a JSON sidecar (``fitted.yaml.calibration.json``) holding the factors,
-the measurements and the predictions before and after.  ``--apply SIDECAR`` carries fitted factors over to another
-base profile of the same machine (e.g. measured with 4 ranks after fitting on 2).
+``autopar plan`` uses.  The factors are fitted by :func:`autopar.profiles.refit.fit_factors` (those the runs
+determine, :data:`DETERMINED`); when the fitted profile makes the planner shard a measured plan differently
+(:func:`calibrate_loop`), that plan is re-planned, run and fitted again (``--iterations``).  The result is written as
+a profile (``-o fitted.yaml``) with its provenance, plus a JSON sidecar (``fitted.yaml.calibration.json``) holding the
+factors, the measurements and the predictions before and after.  ``--apply SIDECAR`` carries fitted factors over to
+another base profile of the same machine (e.g. measured with 4 ranks after fitting on 2).
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ __all__ = [
     "calibrate_loop",
     "cmd_calibrate",
     "compose",
+    "determined",
     "load_factors",
     "measure_plan",
     "observation",
@@ -66,6 +67,10 @@ FIT_FACTORS = ("matmul", "vector", "memory", "overhead", "dtensor", "fsdp", "ove
 parallelism, ``fsdp`` when one runs FSDP2, ZeRO >= 1 with dp > 1); ``link.alpha``/``link.beta`` are added when the
 plans communicate (see :func:`calibrate`)."""
 _OBS = ("compute", "comm", "optimizer", "total")
+DETERMINED = 0.05
+"""A default factor is fitted only if scaling it by 10 or by 1/10 moves some observation of the runs by this share of
+that run's measured step time: below it, the runs do not determine the factor (their step times vary more than that
+between runs, see ``benchmarks/calibrate_cpu.py``), and the fit would move it to explain noise; it stays 1."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -189,9 +194,11 @@ def calibrate(base: ClusterProfile, runs: Sequence[tuple[Plan, Graph, RunMeasure
     and one bandwidth correction for every collective, so that collectives the fitted plans do not run (a ZeRO
     plan's gathers) inherit what the measured ones show about this machine's links.  A pipeline's p2p keeps the
     profile's own measurement: a collective's fitted latency also holds the wait for the slowest rank, which a
-    pipeline's schedule costs as its bubble."""
+    pipeline's schedule costs as its bubble.  Of the default names, only those the runs determine are fitted
+    (:data:`DETERMINED`); the others stay 1."""
     if not runs:
         raise ValueError("calibrate needs at least one measured run")
+    screen = names is None
     if names is None:
         links = ["link.alpha", "link.beta"] if any(p.world_size > 1 for p, _, _ in runs) else []
         tp = any(p.mesh.tp > 1 for p, _, _ in runs)
@@ -213,8 +220,33 @@ def calibrate(base: ClusterProfile, runs: Sequence[tuple[Plan, Graph, RunMeasure
 
     if any(predict(g, base, p).mesh != p.mesh for p, g, _ in runs):
         raise ValueError("a plan's choices are not reproducible under the base profile (different mesh)")
-    log.info("fitting %s to %d plan(s)", ", ".join(names), len(plans))
-    return fit_factors(list(names), observe, measured, scale, prior=prior)
+    kept = determined(names, observe, scale) if screen else list(names)
+    if not kept:  # nothing to fit: the base profile as it is
+        at_base = tuple(observe({}))
+        cost = sum(((a - b) / s) ** 2 for a, b, s in zip(at_base, measured, scale))
+        return FitResult(factors={n: 1.0 for n in names}, before=at_base, after=at_base, measured=tuple(measured),
+                         cost_before=cost, cost_after=cost, iterations=0, evaluations=1,
+                         determined={n: False for n in names})
+    log.info("fitting %s to %d plan(s)", ", ".join(kept), len(plans))
+    fit = fit_factors(kept, observe, measured, scale, prior=prior)
+    left = [n for n in names if n not in kept]
+    return replace(fit, factors={**fit.factors, **{n: 1.0 for n in left}},
+                   determined={**fit.determined, **{n: False for n in left}})
+
+
+def determined(names: Sequence[str], observe: Callable[[dict[str, float]], list[float]],
+               scale: Sequence[float]) -> list[str]:
+    """The ``names`` whose factor, at 10 or 1/10, moves some observation by :data:`DETERMINED` of its scale."""
+    at_base = observe({})
+    out = []
+    for name in names:
+        moved = max(abs(a - b) / s for f in (10.0, 0.1) for a, b, s in zip(observe({name: f}), at_base, scale))
+        if moved >= DETERMINED:
+            out.append(name)
+        else:
+            log.info("calibrate: %s left at 1: at x10 and x0.1 it moves no observation by %.0f%% of its step "
+                     "(at most %.1f%%)", name, 100 * DETERMINED, 100 * moved)
+    return out
 
 
 def shardings(plan: Plan) -> tuple:

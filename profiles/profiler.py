@@ -18,10 +18,10 @@ a real run):
   per parameter tensor, the pipeline schedule's work per micro-batch; in one process of its own, a one-rank gloo
   group, relative to its own op cost per pass; with two ranks or more the pipeline schedule's is measured again on
   ranks 0 and 1, a two-stage 1F1B with its sends, and that one is kept: on gloo the sends do not overlap compute);
-- collectives over message sizes (1 KiB .. 64 MiB by powers of 4; ``quick``: 1 KiB .. 1 MiB) on groups of
-  2, 4, .. ``ranks`` ranks: ``all_reduce``, ``all_gather_single`` / ``reduce_scatter_single`` (the
-  ``*_into_tensor`` / ``*_tensor`` forms on older torch) and
-  ``all_to_all_single`` (all natively supported by gloo in torch >= 2.x, so nothing is emulated), and p2p as
+- collectives over message sizes (1 KiB .. 64 MiB by powers of 4; ``quick``: 1 KiB .. 16 MiB) on groups of
+  2, 4, .. ``ranks`` ranks (every disjoint group of a size at once, as a step's dp or tp groups run):
+  ``all_reduce``, ``all_gather_single`` / ``reduce_scatter_single`` (the ``*_into_tensor`` / ``*_tensor`` forms on
+  older torch) and ``all_to_all_single`` (all natively supported by gloo in torch >= 2.x, so nothing is emulated), and p2p as
   ping-pong ``send``/``recv`` between ranks 0 and 1 (one-way time = round trip / 2).
   CPU ranks use one compute thread during this phase. Each point: warm-up, then the median over repeats of the
   slowest rank's time. Alpha-beta are fitted per collective and group size (:func:`autopar.profiles.fit.fit_alpha_beta`,
@@ -109,8 +109,12 @@ class ProfileOptions:
 
 
 def default_message_sizes(quick: bool) -> tuple[int, ...]:
-    """1 KiB .. 64 MiB by powers of 4 (quick: 1 KiB .. 1 MiB)."""
-    top = 1 * KIB * KIB if quick else 64 * KIB * KIB
+    """1 KiB .. 64 MiB by powers of 4 (quick: 1 KiB .. 16 MiB).
+
+    Quick still reaches 16 MiB: gloo ranks on a shared-core machine take 0.5-8 ms per collective of any size up to
+    1 MiB (scheduling, not bytes), so a fit over sizes up to 1 MiB finds its bandwidth term in that noise (measured
+    here: 198 MB/s one run, 990 GB/s another); at 4-16 MiB the bytes take longer than the noise."""
+    top = 16 * KIB * KIB if quick else 64 * KIB * KIB
     out, s = [], KIB
     while s <= top:
         out.append(s)
@@ -333,13 +337,20 @@ def _measure_links(opts: ProfileOptions, device: torch.device, rank: int, prog: 
     tables: dict[str, list[dict[str, Any]]] = {k: [] for k in (*_COLL, "p2p")}
     raw: dict[str, dict[int, list[float]]] = {k: {} for k in (*_COLL, "p2p")}
     for g in _group_sizes(opts.ranks):
-        group = dist.new_group(list(range(g))) if g < opts.ranks else None
+        # every disjoint block of g ranks measures at once, as a training step's groups communicate at once (the
+        # dp groups of a tp x dp mesh; on CPU ranks sharing cores, each block's collectives also wait for the cores
+        # the others hold); ranks past the last whole block sit it out
+        blocks = opts.ranks // g
+        groups = [dist.new_group(list(range(b * g, (b + 1) * g))) for b in range(blocks)] if g < opts.ranks else [None]
+        group = groups[rank // g] if rank // g < blocks else None
         for kind in _COLL:
             ts = []
             for s in sizes:
-                if rank < g:
+                if rank < blocks * g:
                     r = reps if s <= 4 * KIB * KIB else max(3, reps // 2)
-                    ts.append(time_collective(kind, s, group, g, device, r, opts.warmup))
+                    t = time_collective(kind, s, group, g, device, r, opts.warmup)
+                    if rank < g:
+                        ts.append(t)
                 _step(prog, f"{kind} g={g} {s // KIB} KiB")
             raw[kind][g] = ts
             if rank == 0:

@@ -12,7 +12,7 @@ from autopar.profiles.profiler import default_message_sizes, run_profile_command
 def test_default_message_sizes() -> None:
     full = default_message_sizes(quick=False)
     assert full[0] == 1024 and full[-1] == 64 * 2**20
-    assert default_message_sizes(quick=True)[-1] <= 2**20
+    assert default_message_sizes(quick=True)[-1] == 16 * 2**20
 
 
 @pytest.mark.multiprocess

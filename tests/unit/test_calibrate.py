@@ -19,6 +19,7 @@ from autopar.planner.calibrate import (
     calibrate,
     calibrate_loop,
     compose,
+    determined,
     load_factors,
     observation,
     predict,
@@ -205,6 +206,18 @@ def test_calibrate_on_dp_and_tp_predicts_a_held_out_pipeline_plan() -> None:
     held = plan(base, pp=2, dp=1, tp=1)
     want, before, got = (predict(graph, p, held).time.total for p in (truth, base, fitted))
     assert abs(got / want - 1) < 0.10 < abs(before / want - 1)
+
+
+def test_factors_the_runs_cannot_determine_are_left_at_one() -> None:
+    """A factor that moves no observation by 5% of its step at x10 or x0.1 is not fitted: the measured bandwidth term
+    of messages far below the link's noise (gloo on shared cores) was fitted to x10 this way, and carried to the
+    4-rank profile it predicted collectives 2.3x too slow."""
+    def observe(f: dict[str, float]) -> list[float]:  # step 1.0: "big" is most of it, "tiny" 0.1%
+        return [0.9 * f.get("big", 1.0) + 0.001 * f.get("tiny", 1.0), 1.0]
+
+    assert determined(["big", "tiny"], observe, [1.0, 1.0]) == ["big"]
+    assert determined(["tiny"], lambda f: [0.05 * f.get("tiny", 1.0)], [1.0]) == ["tiny"]  # 0.45 at x10
+    assert determined(["tiny"], lambda f: [0.001 * f.get("tiny", 1.0)], [1.0]) == []
 
 
 def test_dtensor_dispatch_is_charged_under_tp_only_and_fitted_from_a_tp_run() -> None:
