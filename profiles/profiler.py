@@ -21,8 +21,8 @@ a real run):
 - collectives over message sizes (1 KiB .. 64 MiB by powers of 4; ``quick``: 1 KiB .. 16 MiB) on groups of
   2, 4, .. ``ranks`` ranks (every disjoint group of a size at once, as a step's dp or tp groups run):
   ``all_reduce``, ``all_gather_single`` / ``reduce_scatter_single`` (the ``*_into_tensor`` / ``*_tensor`` forms on
-  older torch) and ``all_to_all_single`` (all natively supported by gloo in torch >= 2.x, so nothing is emulated), and p2p as
-  ping-pong ``send``/``recv`` between ranks 0 and 1 (one-way time = round trip / 2).
+  older torch) and ``all_to_all_single`` (all natively supported by gloo in torch >= 2.x, so nothing is emulated),
+  and p2p as ping-pong ``send``/``recv`` between ranks 0 and 1 (one-way time = round trip / 2).
   CPU ranks use one compute thread during this phase. Each point: warm-up, then the median over repeats of the
   slowest rank's time. Alpha-beta are fitted per collective and group size (:func:`autopar.profiles.fit.fit_alpha_beta`,
   relative least squares, non-negative) and stored as NCCL-tests bus bandwidth.
@@ -422,7 +422,8 @@ def _measure(opts: ProfileOptions) -> tuple[ClusterProfile, dict[str, Any]]:
         raise ValueError(f"ranks must be >= 1, got {opts.ranks}")
     backend = opts.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl" and opts.ranks > torch.cuda.device_count():
-        raise ValueError(f"--ranks {opts.ranks} exceeds the {torch.cuda.device_count()} visible GPUs (NCCL: one per GPU)")
+        raise ValueError(f"--ranks {opts.ranks} exceeds the {torch.cuda.device_count()} visible GPUs "
+                         "(NCCL: one per GPU)")
     with tempfile.TemporaryDirectory(prefix="autopar-profile-") as tmp:
         result = os.path.join(tmp, "result.json")
         log.info("profiling with %d %s rank(s)%s", opts.ranks, backend, " (quick)" if opts.quick else "")
