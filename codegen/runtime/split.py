@@ -23,9 +23,11 @@ feeds stage k+1 only, as ``torch.distributed.pipelining`` requires.  The last st
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 import logging
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,8 +38,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from autopar import ir
-from autopar.ir.opaque import symbolic_trace_with
 from autopar.codegen.runtime.init import meta_clone
+from autopar.ir.opaque import symbolic_trace_with
 
 __all__ = ["Example", "GroupSpec", "SplitModel", "capture", "split_model", "StageModule"]
 
@@ -153,6 +155,38 @@ def capture(root: nn.Module, graph: ir.Graph, example: Example | None = None,
         return _bind_omitted(symbolic_trace_with(root, leaves) if leaves else fx.symbolic_trace(root), graph)
     if example is None:
         raise ValueError("a model captured with torch.export needs example inputs to be captured again")
+    key = _capture_key(root, example, device)
+    done = _CAPTURED.get(root, {}).get(key)
+    if done is not None:
+        return copy.deepcopy(done)
+    gm = _export(root, example, device)
+    _CAPTURED.setdefault(root, {})[key] = gm
+    return copy.deepcopy(gm)
+
+
+_CAPTURED: weakref.WeakKeyDictionary[nn.Module, dict[tuple, fx.GraphModule]] = weakref.WeakKeyDictionary()
+"""Exported captures per caller's model (held weakly) and :func:`_capture_key`: a second program of the same model at
+the same shapes (another plan, a re-plan, ``autopar calibrate``'s re-runs, a test's meshes) skips the export, about a
+second a small Hugging Face model and more for a large one.  Each use gets its own copy (meta parameters: cheap)."""
+
+
+def _capture_key(root: nn.Module, example: Example, device: torch.device | None) -> tuple:
+    """What an export of ``root`` depends on besides its code: the module tree (names, types, training mode), every
+    parameter's and buffer's name, shape and dtype, and the example inputs' structure, shapes and dtypes (other
+    values by repr).  A model changed in place between two programs (a submodule replaced, a layer resized, eval
+    mode) is exported again; a forward rebound on an instance is not detected."""
+    from torch.utils._pytree import tree_flatten
+
+    leaves, spec = tree_flatten(tuple(example))
+    inputs = tuple((tuple(v.shape), v.dtype, v.device.type) if isinstance(v, torch.Tensor) else repr(v)
+                   for v in leaves)
+    modules = tuple((name, type(m).__qualname__, m.training) for name, m in root.named_modules())
+    tensors = tuple((name, tuple(t.shape), t.dtype) for name, t in itertools.chain(
+        root.named_parameters(remove_duplicate=False), root.named_buffers(remove_duplicate=False)))
+    return str(spec), inputs, modules, tensors, str(device)
+
+
+def _export(root: nn.Module, example: Example, device: torch.device | None) -> fx.GraphModule:
     args, kwargs = example
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

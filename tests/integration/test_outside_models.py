@@ -60,8 +60,11 @@ def _train(rank: int, cases: list[tuple[str, str, ir.Plan]],
     from autopar.codegen.runtime.program import build_program
 
     out: dict[str, list[float] | str] = {}
+    models: dict[str, tuple] = {}
     for name, mesh, plan in cases:
-        model, batch = tiny(name)
+        # one model per name, as a user re-plans the same model: its programs under the other meshes reuse the first
+        # program's export (codegen.runtime.split.capture), and each must still leave the model untouched
+        model, batch = models[name] if name in models else models.setdefault(name, tiny(name))
         before = copy.deepcopy(model.state_dict())
         prog = build_program(plan, model, example_inputs=batch(0), graph=graphs[name], sync_batchnorm=True)
         losses = program_losses(prog, batch, STEPS, LR)

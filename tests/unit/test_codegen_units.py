@@ -83,3 +83,24 @@ def test_build_program_outside_a_process_group_says_how_to_launch() -> None:
     graph = ir.trace(spec.model, spec.example_inputs, frontend="fx")
     with pytest.raises(RuntimeError, match="torchrun"):
         build_program(make_plan(graph, dp=2, micro_batch=1), spec, graph=graph)
+
+
+def test_an_exported_capture_is_reused_for_the_same_model_until_it_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second program of the same model at the same shapes skips torch.export (codegen.runtime.split.capture);
+    each use gets its own GraphModule, and a model changed in place (here: eval mode) is exported again."""
+    from autopar.codegen.runtime import split
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.1), torch.nn.Linear(16, 4))
+    x = torch.randn(2, 8)
+    graph = ir.trace(model, x, frontend="export")
+    calls = []
+    real = torch.export.export
+    monkeypatch.setattr(torch.export, "export", lambda *a, **k: calls.append(1) or real(*a, **k))
+    first = split.capture(model, graph, ((x,), {}))
+    second = split.capture(model, graph, ((torch.randn(2, 8),), {}))
+    assert len(calls) == 1 and first is not second
+    assert [n.name for n in first.graph.nodes] == [n.name for n in second.graph.nodes]
+    split.capture(model, graph, ((torch.randn(3, 8),), {}))  # another batch size
+    model.eval()
+    split.capture(model, graph, ((x,), {}))
+    assert len(calls) == 3
