@@ -211,15 +211,20 @@ def calibrate(base: ClusterProfile, runs: Sequence[tuple[Plan, Graph, RunMeasure
         scale += [m.step_s] * len(_OBS)
     plans = [p for p, _, _ in runs]
 
-    def observe(factors: dict[str, float]) -> list[float]:
-        prof = apply_factors(base, factors)
-        out: list[float] = []
-        for p, g, _ in runs:
-            out += observation(predict(g, prof, p))
-        return out
-
-    if any(predict(g, base, p).mesh != p.mesh for p, g, _ in runs):
+    at_base = [predict(g, base, p) for p, g, _ in runs]
+    if any(q.mesh != p.mesh for q, (p, _, _) in zip(at_base, runs)):
         raise ValueError("a plan's choices are not reproducible under the base profile (different mesh)")
+    # each set of factors is predicted once (the base is read by the mesh check, the screen and the fit's start;
+    # a factor of 1 changes nothing, so it is left out of the key)
+    memo: dict[tuple, list[float]] = {(): [x for q in at_base for x in observation(q)]}
+
+    def observe(factors: dict[str, float]) -> list[float]:
+        key = tuple(sorted((k, v) for k, v in factors.items() if v != 1.0))
+        if key not in memo:
+            prof = apply_factors(base, factors)
+            memo[key] = [x for p, g, _ in runs for x in observation(predict(g, prof, p))]
+        return list(memo[key])
+
     kept = determined(names, observe, scale) if screen else list(names)
     if not kept:  # nothing to fit: the base profile as it is
         at_base = tuple(observe({}))

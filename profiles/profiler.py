@@ -342,11 +342,12 @@ def _measure_links(opts: ProfileOptions, device: torch.device, rank: int, prog: 
         # the others hold); ranks past the last whole block sit it out
         blocks = opts.ranks // g
         groups = [dist.new_group(list(range(b * g, (b + 1) * g))) for b in range(blocks)] if g < opts.ranks else [None]
-        group = groups[rank // g] if rank // g < blocks else None
+        measures = rank // g < blocks
+        group = groups[rank // g] if measures else None
         for kind in _COLL:
             ts = []
             for s in sizes:
-                if rank < blocks * g:
+                if measures:
                     r = reps if s <= 4 * KIB * KIB else max(3, reps // 2)
                     t = time_collective(kind, s, group, g, device, r, opts.warmup)
                     if rank < g:

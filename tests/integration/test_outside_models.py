@@ -64,7 +64,9 @@ def _train(rank: int, cases: list[tuple[str, str, ir.Plan]],
     for name, mesh, plan in cases:
         # one model per name, as a user re-plans the same model: its programs under the other meshes reuse the first
         # program's export (codegen.runtime.split.capture), and each must still leave the model untouched
-        model, batch = models[name] if name in models else models.setdefault(name, tiny(name))
+        if name not in models:
+            models[name] = tiny(name)
+        model, batch = models[name]
         before = copy.deepcopy(model.state_dict())
         prog = build_program(plan, model, example_inputs=batch(0), graph=graphs[name], sync_batchnorm=True)
         losses = program_losses(prog, batch, STEPS, LR)
