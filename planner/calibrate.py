@@ -70,7 +70,10 @@ _OBS = ("compute", "comm", "optimizer", "total")
 DETERMINED = 0.05
 """A default factor is fitted only if scaling it by 10 or by 1/10 moves some observation of the runs by this share of
 that run's measured step time: below it, the runs do not determine the factor (their step times vary more than that
-between runs, see ``benchmarks/calibrate_cpu.py``), and the fit would move it to explain noise; it stays 1."""
+between runs, see ``benchmarks/calibrate_cpu.py``), and the fit would move it to explain noise; it stays 1.  The move
+counts as predicted or in proportion to the observation's measured value, whichever is larger: a base profile far from
+the machine (an A100's for a CPU rank) predicts the compute a hundred times below what is measured, and the factor that
+closes that gap moves the prediction by little at x10, yet it is what the runs determine."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -225,7 +228,7 @@ def calibrate(base: ClusterProfile, runs: Sequence[tuple[Plan, Graph, RunMeasure
             memo[key] = [x for p, g, _ in runs for x in observation(predict(g, prof, p))]
         return list(memo[key])
 
-    kept = determined(names, observe, scale) if screen else list(names)
+    kept = determined(names, observe, scale, measured) if screen else list(names)
     if not kept:  # nothing to fit: the base profile as it is
         at_base = tuple(observe({}))
         cost = sum(((a - b) / s) ** 2 for a, b, s in zip(at_base, measured, scale))
@@ -240,19 +243,21 @@ def calibrate(base: ClusterProfile, runs: Sequence[tuple[Plan, Graph, RunMeasure
 
 
 def determined(names: Sequence[str], observe: Callable[[dict[str, float]], list[float]],
-               scale: Sequence[float]) -> list[str]:
-    """The ``names`` whose factor, at 10 or 1/10, moves some observation by :data:`DETERMINED` of its scale."""
+               scale: Sequence[float], measured: Sequence[float] | None = None) -> list[str]:
+    """The ``names`` whose factor, at 10 or 1/10, moves some observation by :data:`DETERMINED` of its scale, as
+    predicted or, given the ``measured`` observations, in proportion to its measured value."""
     at_base = observe({})
+    seen = measured if measured is not None else at_base
     out = []
     for name in names:
-        moved = max(abs(a - b) / s for f in (10.0, 0.1) for a, b, s in zip(observe({name: f}), at_base, scale))
+        moved = max(abs(a - b) / s * max(1.0, y / b if b > 0 else 1.0)
+                    for f in (10.0, 0.1) for a, b, s, y in zip(observe({name: f}), at_base, scale, seen))
         if moved >= DETERMINED:
             out.append(name)
         else:
             log.info("calibrate: %s left at 1: at x10 and x0.1 it moves no observation by %.0f%% of its step "
                      "(at most %.1f%%)", name, 100 * DETERMINED, 100 * moved)
     return out
-
 
 def shardings(plan: Plan) -> tuple:
     """What the intra-op solver decided for a plan (op strategies and parameter placements)."""

@@ -211,13 +211,18 @@ def test_calibrate_on_dp_and_tp_predicts_a_held_out_pipeline_plan() -> None:
 def test_factors_the_runs_cannot_determine_are_left_at_one() -> None:
     """A factor that moves no observation by 5% of its step at x10 or x0.1 is not fitted: the measured bandwidth term
     of messages far below the link's noise (gloo on shared cores) was fitted to x10 this way, and carried to the
-    4-rank profile it predicted collectives 2.3x too slow."""
+    4-rank profile it predicted collectives 2.3x too slow.  The move counts in proportion to what is measured, so that
+    a base profile far from the machine (an A100's against a CPU) still has its compute fitted."""
     def observe(f: dict[str, float]) -> list[float]:  # step 1.0: "big" is most of it, "tiny" 0.1%
         return [0.9 * f.get("big", 1.0) + 0.001 * f.get("tiny", 1.0), 1.0]
 
     assert determined(["big", "tiny"], observe, [1.0, 1.0]) == ["big"]
     assert determined(["tiny"], lambda f: [0.05 * f.get("tiny", 1.0)], [1.0]) == ["tiny"]  # 0.45 at x10
     assert determined(["tiny"], lambda f: [0.001 * f.get("tiny", 1.0)], [1.0]) == []
+    # a base profile far from the machine: the factor's term is predicted at 0.1% of the step but measured at 80%;
+    # the move counts in proportion to the measurement (x10 moves that observation by 9 times itself)
+    assert determined(["tiny"], lambda f: [0.001 * f.get("tiny", 1.0)], [1.0], measured=[0.8]) == ["tiny"]
+    assert determined(["big", "tiny"], observe, [1.0, 1.0], measured=[0.9, 1.0]) == ["big"]
 
 
 def test_dtensor_dispatch_is_charged_under_tp_only_and_fitted_from_a_tp_run() -> None:
