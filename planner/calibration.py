@@ -19,6 +19,7 @@ Every check costs the published configuration exactly (every choice pinned) and 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 from importlib import resources
@@ -66,16 +67,21 @@ def load_published(path: Path | str = PUBLISHED) -> dict[str, Any]:
 def _graph(model: dict[str, Any], layers: int | None = None) -> ir.Graph:
     """The GPT Megatron-LM trained: dropout 0.1, attention scores materialized (fused scale-mask-softmax, no flash
     attention in 2021-22)."""
+    return _traced_gpt(layers or model["layers"], model["hidden"], model["heads"], model["seq"], model["vocab"])
+
+
+@functools.lru_cache(maxsize=4)
+def _traced_gpt(layers: int, hidden: int, heads: int, seq: int, vocab: int) -> ir.Graph:
+    """Traced once per process: the published tables cost one model under several plans and clusters (a trace of
+    GPT-3 175B takes ~8 CPU-s), and the planner only reads a graph."""
     from autopar.zoo.gpt import GPT, GPTConfig
 
-    cfg = GPTConfig(layers=layers or model["layers"], hidden=model["hidden"], heads=model["heads"],
-                    seq=model["seq"], vocab=model["vocab"], dropout=_DROPOUT)
+    cfg = GPTConfig(layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=vocab, dropout=_DROPOUT)
     with torch.device("meta"):
         net = GPT(cfg)
-    tokens = torch.empty((1, model["seq"]), dtype=torch.long, device="meta")
-    name = f"gpt-l{cfg.layers}-h{cfg.hidden}"
+    tokens = torch.empty((1, seq), dtype=torch.long, device="meta")
     passes = PassOptions(decompose_attention=True, attention_dropout_p=_DROPOUT)
-    return ir.trace(net, (tokens,), model_name=name, passes=passes)
+    return ir.trace(net, (tokens,), model_name=f"gpt-l{layers}-h{hidden}", passes=passes)
 
 
 def _pinned(graph: ir.Graph, profile: ClusterProfile, *, tp: int, pp: int, dp: int, micro_batch: int,

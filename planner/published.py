@@ -17,6 +17,7 @@ lifted) and flagged, so a memory-model error does not hide a time prediction.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 from importlib import resources
@@ -66,14 +67,19 @@ def run_profile(case: dict[str, Any], base: ClusterProfile | None = None) -> Clu
 
 
 def _llama_graph(m: dict[str, Any]) -> ir.Graph:
+    return _traced_llama(*(m[k] for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq")))
+
+
+@functools.lru_cache(maxsize=4)
+def _traced_llama(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, seq: int) -> ir.Graph:
+    """Traced once per process, as :func:`autopar.planner.calibration._traced_gpt`."""
     from autopar.zoo.llama import Llama, LlamaConfig
 
-    cfg = LlamaConfig(layers=m["layers"], hidden=m["hidden"], heads=m["heads"], kv_heads=m["kv_heads"], ffn=m["ffn"],
-                      vocab=m["vocab"], seq=m["seq"])
+    cfg = LlamaConfig(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab, seq=seq)
     with torch.device("meta"):
         net = Llama(cfg)
-    tokens = torch.empty((1, m["seq"]), dtype=torch.long, device="meta")
-    return ir.trace(net, (tokens,), model_name=f"llama-l{m['layers']}-h{m['hidden']}")
+    tokens = torch.empty((1, seq), dtype=torch.long, device="meta")
+    return ir.trace(net, (tokens,), model_name=f"llama-l{layers}-h{hidden}")
 
 
 def llama_flops_per_token(m: dict[str, Any]) -> float:
