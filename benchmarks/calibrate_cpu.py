@@ -2,6 +2,7 @@
 
     python benchmarks/calibrate_cpu.py [--fit-model gpt-tiny] [--models gpt-tiny llama-tiny] [--batch 8] [--seq 32]
                                        [--profile2 p2.yaml] [--profile4 p4.yaml] [--rounds 2] [--out DIR]
+    python benchmarks/calibrate_cpu.py --refit DIR   # fit again to the runs DIR saved, measuring nothing
 
 1. Base profiles of this machine with 2 and 4 ranks (``autopar profile --quick``, or ``--profile2/--profile4``).
    The 4-rank profile keeps its measured links; its device is the 2-rank device time-sliced by the measured
@@ -11,13 +12,15 @@
    carries each op kind's eager overhead (``op_overhead``), so that one fitted ``overhead`` factor carries from the
    fitted model to a model whose ops are of other kinds.
 2. Fit: the planner's pure-DP (``pp=1 dp=2 tp=1 zero=0``, global batch 4 and 16), ZeRO-1 DP (``zero=1``, FSDP2,
-   batch 8) and pure-TP (``tp=2``, batch 8) plans of ``--fit-model`` on 2 ranks run under ``autopar calibrate``'s attribution
+   batch 8) and pure-TP (``tp=2``, batch 8) plans of ``--fit-model`` on 2 ranks run under ``autopar calibrate``'s
+   attribution
    (:func:`autopar.planner.calibrate.measure_plan`) and the factors are fitted to them
    (:func:`autopar.planner.calibrate.calibrate_loop`: a plan whose shardings the fit changes is re-planned, run and
    fitted again).  The 2-rank fitted profile is the 2-rank base with the factors; the 4-rank one is the 4-rank base
    (time-sliced, see 1) with the same factors (what ``autopar calibrate --apply`` does).
 3. Held out (never fitted on): for every ``--models`` model, the plans the planner makes with the fitted profile
-   under the pins ``pp=2`` (2 ranks), ``pp=1 dp=2 tp=2`` and ``pp=2 dp=2 tp=1`` (4 ranks), run and measured the same way.
+   under the pins ``pp=2`` (2 ranks), ``pp=1 dp=2 tp=2`` and ``pp=2 dp=2 tp=1`` (4 ranks), run and measured the same
+   way.
 
 Prints, per plan, the prediction of the base profile and of the fitted one against the measured step time
 (measured / predicted; the target is within 20%, i.e. 0.8-1.2), each plan's fastest of ``--rounds`` interleaved
@@ -34,11 +37,11 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from autopar import ir
-from autopar.planner.calibrate import RunMeasurement, calibrate_loop, measure_plan, plan_graph, predict
+from autopar.planner.calibrate import RunMeasurement, calibrate, calibrate_loop, measure_plan, plan_graph, predict
 from autopar.planner.options import PlanOptions
 from autopar.planner.search import search
 from autopar.profiles.profiler import oversubscribed, run_profile_command, time_concurrent
@@ -121,7 +124,12 @@ def main() -> int:
     ap.add_argument("--slicing-repeats", type=int, default=3,
                     help="repeats of the 2- and 4-process time-slicing measurement (median)")
     ap.add_argument("--out", default=None, help="keep plans, profiles and the results JSON here")
+    ap.add_argument("--refit", default=None, metavar="DIR",
+                    help="measure nothing: fit again to the runs an earlier --out DIR saved and predict its held-out "
+                         "plans (seconds; for work on the cost model or the fit)")
     args = ap.parse_args()
+    if args.refit:
+        return refit(Path(args.refit))
     wall0, cpu0, load0 = time.perf_counter(), cpu_s(), os.getloadavg()
     out = Path(args.out or tempfile.mkdtemp(prefix="autopar-calibrate-bench-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -183,8 +191,11 @@ def main() -> int:
     print("fitted factors: " + ", ".join(f"{k} x{v:.3g}" for k, v in total.items()))
     print(f"{'plan':36}{'choices':44}{'base ms':>9}{'fit ms':>9}{'meas ms':>9}{'m/base':>8}{'m/fit':>8}"
           "   fit compute/comm/bubble ms | measured compute/comm/p2p+bubble (busiest rank)")
-    results = {}
+    results, fit_saved = {}, {}
     for k, p in fit_plans.items():
+        final = out / f"fit-final-{args.fit_model}-{k.replace('=', '').replace(' ', '-')}.yaml"
+        ir.dump_plan(p, final)
+        fit_saved[k] = {"plan": final.name, "model": args.fit_model, "measurement": asdict(fit_meas[k])}
         after = predict(runs[0][1], fitted[2], p)
         print(row(f"FIT  {args.fit_model} {k} (2 ranks)", p, predict(runs[0][1], base[2], p).time.total,
                   after, fit_meas[k]))
@@ -195,7 +206,8 @@ def main() -> int:
         ratio = m.step_s / plan.time.total
         within += 0.8 <= ratio <= 1.2
         results[key] = {"predicted_fit_s": plan.time.total, "predicted_base_s": before.time.total,
-                        "measured_s": m.step_s, "ratio": ratio, "measured_ranks": m.ranks}
+                        "measured_s": m.step_s, "ratio": ratio, "measured_ranks": m.ranks,
+                        "plan": hpaths[key][0].name, "model": hpaths[key][1], "measurement": asdict(m)}
     wall, cpu = time.perf_counter() - wall0, cpu_s() - cpu0
     print(f"held-out within 20%: {within} of {len(held)}")
     load = os.getloadavg()
@@ -203,9 +215,39 @@ def main() -> int:
           f"{load0[0]:.1f} at the start, {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min) at the end on "
           f"{os.cpu_count()} cores")
     (out / "results.json").write_text(json.dumps({"factors": total, "slicing": slicing, "held_out": results,
+                                                   "fit": fit_saved, "seq": args.seq,
                                                    "wall_s": wall,
                                                    "cpu_s": cpu, "loadavg_start": load0, "loadavg_end": load},
                                                   indent=1))
+    return 0
+
+
+def refit(d: Path) -> int:
+    """The fit and the held-out predictions of a saved benchmark run (``--out``), again, with today's code."""
+    saved = json.loads((d / "results.json").read_text())
+    if "fit" not in saved:
+        raise SystemExit(f"{d}/results.json has no fit runs (saved by an older version of this benchmark)")
+    base = {2: load_profile(d / "base2.yaml"), 4: load_profile(d / "base4-sliced.yaml")}
+
+    def run(entry: dict) -> tuple[ir.Plan, ir.Graph, RunMeasurement]:
+        plan = ir.load_plan(d / entry["plan"])
+        m = entry["measurement"]
+        m = RunMeasurement(**{**m, "mesh": tuple(m["mesh"])})
+        return plan, plan_graph(plan, entry["model"], saved["seq"]), m
+
+    fit = calibrate(base[2], [run(e) for e in saved["fit"].values()])
+    print("fitted factors: " + ", ".join(f"{k} x{v:.3g}" + ("" if fit.determined.get(k) else " (left at 1)")
+                                         for k, v in fit.factors.items()))
+    fitted = {n: apply_factors(base[n], fit.factors) for n in base}
+    within = 0
+    for key, e in [*(("FIT  " + k, e) for k, e in saved["fit"].items()),
+                   *(("HELD " + k, e) for k, e in saved["held_out"].items())]:
+        plan, graph, m = run(e)
+        after = predict(graph, fitted[plan.world_size], plan)
+        print(row(key, plan, predict(graph, base[plan.world_size], plan).time.total, after, m))
+        ratio = m.step_s / after.time.total
+        within += key.startswith("HELD") and 0.8 <= ratio <= 1.2
+    print(f"held-out within 20%: {within} of {len(saved['held_out'])}")
     return 0
 
 

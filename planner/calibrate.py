@@ -259,6 +259,7 @@ def determined(names: Sequence[str], observe: Callable[[dict[str, float]], list[
                      "(at most %.1f%%)", name, 100 * DETERMINED, 100 * moved)
     return out
 
+
 def shardings(plan: Plan) -> tuple:
     """What the intra-op solver decided for a plan (op strategies and parameter placements)."""
     return (tuple((o.node, o.strategy) for o in plan.op_shardings),

@@ -93,12 +93,22 @@ class _Coster:
 
     def compute(self, node: Node, strat: Strategy) -> tuple[float, float]:
         """(forward, backward) seconds of ``node`` under ``strat``; under tp every op, views included, also pays
-        the profile's DTensor dispatch (:meth:`~autopar.profiles.cost.CostModel.sharded_op_extra`)."""
+        the profile's DTensor dispatch (:meth:`~autopar.profiles.cost.CostModel.sharded_op_extra`) once forward and
+        once per backward kernel of a matmul (a linear's two GEMMs; one for the other kinds), per pass as the profiler
+        measures it (``autopar.profiles.eager``)."""
         fwd, bwd = self._compute(node, strat)
         if self.t > 1 and node.kind != "input" and node.outputs:
-            extra = self.cost.sharded_op_extra(_KIND_MAP.get(node.kind, node.kind))
-            return fwd + extra, bwd + (extra if bwd > 0 or node.kind == "view" else 0.0)
+            kind = _KIND_MAP.get(node.kind, node.kind)
+            extra = self.cost.sharded_op_extra(kind)
+            passes = self._gemm_passes(node) if bwd > 0 and kind == "matmul" else \
+                1.0 if bwd > 0 or node.kind == "view" else 0.0
+            return fwd + extra, bwd + extra * passes
         return fwd, bwd
+
+    @staticmethod
+    def _gemm_passes(node: Node) -> float:
+        """Backward kernels of a GEMM-like op: one per gradient (input and weight), each the forward's size."""
+        return min(2.0, max(1.0, node.flops_bwd / node.flops_fwd)) if node.flops_fwd > 0 else 1.0
 
     def _compute(self, node: Node, strat: Strategy) -> tuple[float, float]:
         kind = _KIND_MAP.get(node.kind, node.kind)
@@ -121,7 +131,7 @@ class _Coster:
         if kind in ("matmul", "attention", "causal_attention", "conv"):
             # one kernel per gradient (input and weight), each the forward's size: the efficiency is that of a
             # forward-sized problem, not of one problem of the summed FLOPs
-            bratio = min(2.0, max(1.0, node.flops_bwd / node.flops_fwd)) if node.flops_fwd > 0 else 1.0
+            bratio = self._gemm_passes(node)
             one = self.cost.op_time(node.flops_bwd * self.scale * f * work / bratio, nb * f, self.dtype, kind, seq)
             return fwd, one * bratio
         # backward reads the output gradient, writes the input gradients, and re-reads what was saved

@@ -160,3 +160,25 @@ def test_dtensor_dispatch_is_charged_per_op_kind_and_scaled_by_the_fitted_factor
         "matmul": 1.0, "pointwise": 1.0, "view": 1.0}))
     t_heavy, t_light = (plan(p, tp=2, dp=1, pp=1).time.compute for p in (heavy, light))
     assert t_heavy > t_light
+
+
+def test_dtensor_dispatch_is_charged_per_pass_as_the_profiler_measures_it() -> None:
+    """Forward once, and once per backward kernel: a linear's two GEMMs (the profiler divides its matmul chain by 3
+    passes), one for a pointwise op (its chain: one product forward, one backward); not charged without tp."""
+    from autopar.planner.intra_op.solve import strategy_costs
+
+    graph, base = _graph("gpt-tiny"), cpu_like()
+    table = dataclasses.replace(base, device=dataclasses.replace(base.device, dtensor_op_overhead={
+        "matmul": 10.0, "pointwise": 4.0, "view": 1.0}))
+    launch = base.device.launch_overhead_s
+    linear = next(n for n in graph.nodes if n.kind == "matmul" and n.params)
+    add = next(n for n in graph.nodes if n.kind == "pointwise" and n.op == "add")
+
+    def extra(node: object, tp: int) -> tuple[float, float]:
+        (_, f0, b0, _), (_, f1, b1, _) = (strategy_costs(graph, node, tp=tp, cost=CostModel(p), tp_span=CostModel(
+            p).span(tp, 1), dtype="float32")[0] for p in (base, table))
+        return f1 - f0, b1 - b0
+
+    assert extra(linear, 2) == pytest.approx((10 * launch, 2 * 10 * launch))
+    assert extra(add, 2) == pytest.approx((4 * launch, 4 * launch))
+    assert extra(linear, 1) == (0.0, 0.0)
