@@ -228,7 +228,10 @@ def calibrate(base: ClusterProfile, runs: Sequence[tuple[Plan, Graph, RunMeasure
             memo[key] = [x for p, g, _ in runs for x in observation(predict(g, prof, p))]
         return list(memo[key])
 
-    kept = determined(names, observe, scale, measured) if screen else list(names)
+    # a factor moves one part of a step (compute, collectives, optimizer); the step's gap is the sum of the parts'
+    # gaps, so the whole step counts as predicted
+    parts = [None if _OBS[i % len(_OBS)] == "total" else y for i, y in enumerate(measured)]
+    kept = determined(names, observe, scale, parts) if screen else list(names)
     if not kept:  # nothing to fit: the base profile as it is
         at_base = tuple(observe({}))
         cost = sum(((a - b) / s) ** 2 for a, b, s in zip(at_base, measured, scale))
@@ -243,14 +246,14 @@ def calibrate(base: ClusterProfile, runs: Sequence[tuple[Plan, Graph, RunMeasure
 
 
 def determined(names: Sequence[str], observe: Callable[[dict[str, float]], list[float]],
-               scale: Sequence[float], measured: Sequence[float] | None = None) -> list[str]:
+               scale: Sequence[float], measured: Sequence[float | None] | None = None) -> list[str]:
     """The ``names`` whose factor, at 10 or 1/10, moves some observation by :data:`DETERMINED` of its scale, as
-    predicted or, given the ``measured`` observations, in proportion to its measured value."""
+    predicted or, where ``measured`` gives the observation's measured value (not None), in proportion to it."""
     at_base = observe({})
-    seen = measured if measured is not None else at_base
+    seen = measured if measured is not None else [None] * len(at_base)
     out = []
     for name in names:
-        moved = max(abs(a - b) / s * max(1.0, y / b if b > 0 else 1.0)
+        moved = max(abs(a - b) / s * (max(1.0, y / b) if y is not None and b > 0 else 1.0)
                     for f in (10.0, 0.1) for a, b, s, y in zip(observe({name: f}), at_base, scale, seen))
         if moved >= DETERMINED:
             out.append(name)

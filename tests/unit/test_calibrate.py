@@ -222,6 +222,7 @@ def test_factors_the_runs_cannot_determine_are_left_at_one() -> None:
     # a base profile far from the machine: the factor's term is predicted at 0.1% of the step but measured at 80%;
     # the move counts in proportion to the measurement (x10 moves that observation by 9 times itself)
     assert determined(["tiny"], lambda f: [0.001 * f.get("tiny", 1.0)], [1.0], measured=[0.8]) == ["tiny"]
+    assert determined(["tiny"], lambda f: [0.001 * f.get("tiny", 1.0)], [1.0], measured=[None]) == []  # as predicted
     assert determined(["big", "tiny"], observe, [1.0, 1.0], measured=[0.9, 1.0]) == ["big"]
 
 
