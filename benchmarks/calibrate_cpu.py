@@ -94,6 +94,11 @@ def measure_rounds(paths: dict[str, tuple[Path, str]], args: argparse.Namespace)
     return out
 
 
+def fit_slug(key: str) -> str:
+    """A :data:`FIT` key as a file name part ("dp=2 z1 b8" -> "dp2-z1-b8")."""
+    return key.replace("=", "").replace(" ", "-")
+
+
 def describe(p: ir.Plan) -> str:
     return (f"pp={p.mesh.pp} dp={p.mesh.dp} tp={p.mesh.tp} z{p.zero} mb={p.micro_batch}x{p.num_microbatches} "
             f"{p.schedule}")
@@ -139,7 +144,7 @@ def main() -> int:
     fit_plans = {k: make_plan(graphs[args.fit_model], base[2], b, pins) for k, (b, pins) in FIT.items()}
     paths = {}
     for k, p in fit_plans.items():
-        paths[k] = (out / f"fit-{args.fit_model}-{k.replace('=', '').replace(' ', '-')}.yaml", args.fit_model)
+        paths[k] = (out / f"fit-{args.fit_model}-{fit_slug(k)}.yaml", args.fit_model)
         ir.dump_plan(p, paths[k][0])
     fit_meas = measure_rounds(paths, args)
     runs = [(fit_plans[k], plan_graph(fit_plans[k], args.fit_model, args.seq), fit_meas[k]) for k in FIT]
@@ -193,7 +198,7 @@ def main() -> int:
           "   fit compute/comm/bubble ms | measured compute/comm/p2p+bubble (busiest rank)")
     results, fit_saved = {}, {}
     for k, p in fit_plans.items():
-        final = out / f"fit-final-{args.fit_model}-{k.replace('=', '').replace(' ', '-')}.yaml"
+        final = out / f"fit-final-{args.fit_model}-{fit_slug(k)}.yaml"
         ir.dump_plan(p, final)
         fit_saved[k] = {"plan": final.name, "model": args.fit_model, "measurement": asdict(fit_meas[k])}
         after = predict(runs[0][1], fitted[2], p)

@@ -71,9 +71,10 @@ DETERMINED = 0.05
 """A default factor is fitted only if scaling it by 10 or by 1/10 moves some observation of the runs by this share of
 that run's measured step time: below it, the runs do not determine the factor (their step times vary more than that
 between runs, see ``benchmarks/calibrate_cpu.py``), and the fit would move it to explain noise; it stays 1.  The move
-counts as predicted or in proportion to the observation's measured value, whichever is larger: a base profile far from
-the machine (an A100's for a CPU rank) predicts the compute a hundred times below what is measured, and the factor that
-closes that gap moves the prediction by little at x10, yet it is what the runs determine."""
+of a part of the step (compute, collectives, optimizer) counts as predicted or in proportion to that part's measured
+value, whichever is larger; the whole step's, as predicted: a base profile far from the machine (an A100's for a CPU
+rank) predicts the compute a hundred times below what is measured, and the factor that closes that gap moves the
+prediction by little at x10, yet it is what the runs determine."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -233,9 +234,9 @@ def calibrate(base: ClusterProfile, runs: Sequence[tuple[Plan, Graph, RunMeasure
     parts = [None if _OBS[i % len(_OBS)] == "total" else y for i, y in enumerate(measured)]
     kept = determined(names, observe, scale, parts) if screen else list(names)
     if not kept:  # nothing to fit: the base profile as it is
-        at_base = tuple(observe({}))
-        cost = sum(((a - b) / s) ** 2 for a, b, s in zip(at_base, measured, scale))
-        return FitResult(factors={n: 1.0 for n in names}, before=at_base, after=at_base, measured=tuple(measured),
+        before = tuple(memo[()])
+        cost = sum(((a - b) / s) ** 2 for a, b, s in zip(before, measured, scale))
+        return FitResult(factors={n: 1.0 for n in names}, before=before, after=before, measured=tuple(measured),
                          cost_before=cost, cost_after=cost, iterations=0, evaluations=1,
                          determined={n: False for n in names})
     log.info("fitting %s to %d plan(s)", ", ".join(kept), len(plans))
