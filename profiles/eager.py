@@ -13,6 +13,10 @@ import torch
 
 from autopar.profiles.schema import ClusterProfile
 
+_TINY_REPEATS = 15
+"""Timed repeats (or pairs) at least, for the measurements of tiny ops below: each takes milliseconds, and on a
+shared 2-core VM three repeats left a kind's per-op cost varying by 2-3x between two profiles of an idle machine."""
+
 
 def _training_op_overhead(device: torch.device, sync: Callable[[], None], repeats: int, ops: int = 32) -> float:
     """Seconds per op per pass (forward or backward) of a chain of tiny autograd ops: the fixed cost every op of a
@@ -25,7 +29,7 @@ def _training_op_overhead(device: torch.device, sync: Callable[[], None], repeat
             y = y * 1.0001
         y.sum().backward()
 
-    return _time_calls(chain, sync, repeats, 5) / (2 * (ops + 1))
+    return _time_calls(chain, sync, max(repeats, _TINY_REPEATS), 5, warmup=20) / (2 * (ops + 1))
 
 
 _OVERHEAD_PASSES = {"matmul": 3, "embedding": 1}
@@ -34,13 +38,11 @@ per backward kernel (a linear's two GEMMs; an embedding, whose input is integer,
 otherwise."""
 
 
-def _op_overheads(device: torch.device, sync: Callable[[], None], repeats: int, per_pass: float,
-                  ops: int = 16, mesh: Any = None) -> dict[str, float]:
-    """Eager cost of one op of each IR kind (forward + backward, on tiny operands so that the math is negligible),
-    per pass the cost model charges (:data:`_OVERHEAD_PASSES`), in units of ``per_pass`` (the scalar-multiply
-    chain's cost per op and pass).  Each kind is a chain of ``ops`` such ops timed against the same chain without
-    them, so that the leaf, the loss and ``backward()`` cancel.  With a ``mesh`` every operand and parameter is a
-    replicated DTensor on it, as under tensor parallelism (a kind DTensor cannot run is left out)."""
+def _kind_chains(device: torch.device, ops: int, mesh: Any = None
+                 ) -> tuple[dict[str, Callable[[], None]], Callable[[], None], dict[str, int], dict[str, int]]:
+    """One forward + backward of a chain of ``ops`` tiny ops of each IR kind, the same chain without them, and what
+    else each kind's chain step runs (views, pointwise ops).  With a ``mesh`` every operand and parameter is a
+    replicated DTensor on it, as under tensor parallelism (a kind DTensor cannot run raises when called)."""
     import torch.nn.functional as F  # noqa: N812
 
     x = torch.ones(2, 8, device=device)
@@ -86,14 +88,13 @@ def _op_overheads(device: torch.device, sync: Callable[[], None], repeats: int, 
             y.sum().backward()
         return f
 
-    base = _time_calls(run(None, 0), sync, repeats, 5)
-    step = {}
-    for k, op in chains.items():
-        try:
-            step[k] = max(_time_calls(run(op, ops), sync, repeats, 5) - base, 0.0) / ops
-        except Exception:  # noqa: BLE001 - DTensor has no rule for this kind here: not measured
-            if mesh is None:
-                raise
+    return {k: run(op, ops) for k, op in chains.items()}, run(None, 0), views, pointwise
+
+
+def _per_pass_costs(step: dict[str, float], views: dict[str, int], pointwise: dict[str, int],
+                    per_pass: float) -> dict[str, float]:
+    """Seconds per chain step of each kind -> one op's cost per pass the cost model charges
+    (:data:`_OVERHEAD_PASSES`), in units of ``per_pass``, less the views and pointwise ops the step also runs."""
     if "view" not in step or "pointwise" not in step:
         return {}
     one = {"view": step["view"] / 2}
@@ -108,14 +109,40 @@ def _op_overheads(device: torch.device, sync: Callable[[], None], repeats: int, 
     return out
 
 
+def _op_overheads(device: torch.device, sync: Callable[[], None], repeats: int, per_pass: float,
+                  ops: int = 16, mesh: Any = None) -> dict[str, float]:
+    """Eager cost of one op of each IR kind (forward + backward, on tiny operands so that the math is negligible),
+    per pass the cost model charges (:data:`_OVERHEAD_PASSES`), in units of ``per_pass`` (the scalar-multiply
+    chain's cost per op and pass).  Each kind is a chain of ``ops`` such ops timed against the same chain without
+    them (:func:`_paired_extra`), so that the leaf, the loss and ``backward()`` cancel.  With a ``mesh`` every
+    operand and parameter is a replicated DTensor on it, as under tensor parallelism (a kind DTensor cannot run is
+    left out)."""
+    chains, base, views, pointwise = _kind_chains(device, ops, mesh)
+    step = {}
+    for k, f in chains.items():
+        try:
+            step[k] = _paired_extra(f, base, sync, max(repeats, _TINY_REPEATS)) / ops
+        except Exception:  # noqa: BLE001 - DTensor has no rule for this kind here: not measured
+            if mesh is None:
+                raise
+    return _per_pass_costs(step, views, pointwise, per_pass)
+
+
 def _sharded_op_overheads(device: torch.device, sync: Callable[[], None], repeats: int, per_pass: float,
-                          mesh: Any) -> dict[str, float]:
+                          mesh: Any, ops: int = 16) -> dict[str, float]:
     """DTensor's extra eager cost of one op of each kind per pass (sharding propagation, wrapping the local
-    result), in units of ``per_pass``: the kind's chain on replicated DTensors of a one-rank ``mesh`` less the
-    same chain on plain tensors (:func:`_op_overheads`)."""
-    plain = _op_overheads(device, sync, repeats, per_pass)
-    sharded = _op_overheads(device, sync, repeats, per_pass, mesh=mesh)
-    return {k: max(v - plain.get(k, 0.0), 0.0) for k, v in sharded.items()}
+    result), in units of ``per_pass``: the kind's chain on replicated DTensors of a one-rank ``mesh`` timed against
+    the same chain on plain tensors, pair by pair (:func:`_paired_extra`; a difference of the two kinds' separately
+    measured costs varied by 2-6x between profiles)."""
+    plain, _, views, pointwise = _kind_chains(device, ops)
+    sharded, _, _, _ = _kind_chains(device, ops, mesh)
+    step = {}
+    for k, f in sharded.items():
+        try:
+            step[k] = _paired_extra(f, plain[k], sync, max(repeats, _TINY_REPEATS)) / ops
+        except Exception:  # noqa: BLE001 - DTensor has no rule for this kind here: not measured
+            continue
+    return _per_pass_costs(step, views, pointwise, per_pass)
 
 
 def _runtime_overheads(device: torch.device, sync: Callable[[], None], repeats: int, per_pass: float,
@@ -220,7 +247,7 @@ def _pipeline_overhead(device: torch.device, sync: Callable[[], None], repeats: 
     def scheduled() -> None:
         schedule.step(x, target=tgt, losses=[])
 
-    return max(_time_calls(scheduled, sync, repeats, 5) - _time_calls(plain, sync, repeats, 5), 0.0) / m
+    return _paired_extra(scheduled, plain, sync, max(repeats, _TINY_REPEATS)) / m
 
 
 def pipeline_overhead_two_ranks(device: torch.device, rank: int, repeats: int, group: Any = None,
@@ -251,17 +278,17 @@ def pipeline_overhead_two_ranks(device: torch.device, rank: int, repeats: int, g
             net(xi).sum().backward()
 
     def timed(fn: Callable[[], None]) -> float:
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
         fn()
-        samples = []
-        for _ in range(max(repeats, 5)):
-            dist.barrier(group=group)
-            t0 = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - t0)
-        return statistics.median(samples)
+        return time.perf_counter() - t0
 
-    sched, alone = timed(scheduled), timed(plain)
-    return max(sched / (m + 1) - alone / m, 0.0)
+    for _ in range(3):  # warm-up: the first schedule step also infers the stages' shapes
+        timed(scheduled)
+        timed(plain)
+    # adjacent pairs (see _paired_extra): the machine's speed, which moves over seconds, cancels in each difference
+    pairs = [timed(scheduled) / (m + 1) - timed(plain) / m for _ in range(max(repeats, _TINY_REPEATS))]
+    return max(statistics.median(pairs), 0.0)
 
 
 def _fsdp_overheads(device: torch.device, sync: Callable[[], None], repeats: int, per_pass: float,
@@ -272,7 +299,7 @@ def _fsdp_overheads(device: torch.device, sync: Callable[[], None], repeats: int
     mesh = DeviceMesh.from_group(group, device.type)
     x = torch.ones(2, 8, device=device)
 
-    def timed(per_unit: int, shard: bool) -> float:
+    def step_of(per_unit: int, shard: bool) -> Callable[[], None]:
         net = torch.nn.Sequential(*[torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(per_unit)])
                                     for _ in range(units)]).to(device)
         if shard:  # ZeRO-1/2 as the runtime applies it: every unit, then the root; gathered from forward to backward
@@ -284,16 +311,43 @@ def _fsdp_overheads(device: torch.device, sync: Callable[[], None], repeats: int
             net(x).sum().backward()
             for q in net.parameters():
                 q.grad = None
-        return _time_calls(step, sync, max(repeats, 5), 5)
+        return step
 
-    extra = {k: max(timed(k, True) - timed(k, False), 0.0) for k in (1, 8)}
+    extra = {k: _paired_extra(step_of(k, True), step_of(k, False), sync, max(repeats, _TINY_REPEATS)) for k in (1, 8)}
     per_tensor = max(extra[8] - extra[1], 0.0) / (2 * 7 * units)  # a linear holds 2 tensors
     per_unit = max(extra[1] - 2 * per_tensor * units, 0.0) / (units + 1)  # the root is a unit too
     return {"fsdp_unit": per_unit / per_pass, "fsdp_tensor": per_tensor / per_pass}
 
 
-def _time_calls(fn: Callable[[], Any], sync: Callable[[], None], repeats: int, inner: int) -> float:
-    fn()
+def _paired_extra(with_fn: Callable[[], Any], without_fn: Callable[[], Any], sync: Callable[[], None],
+                  repeats: int, inner: int = 5, warmup: int = 10) -> float:
+    """Seconds per call that ``with_fn`` takes beyond ``without_fn`` (at least 0): the median over ``repeats``
+    adjacent pairs of timings (``inner`` calls each), after ``warmup`` calls of both.  Each difference is taken
+    between two timings milliseconds apart, so that the machine's speed, which moves over seconds on a shared host,
+    and the first calls' lazy initialisation cancel in it; a difference of two medians timed one after the other
+    lands either on whichever was timed in the slower moment (on a 2-core VM a kind's per-op cost came out anywhere
+    from 0.5 to 22 us in four profiles of one idle machine)."""
+    for _ in range(warmup):
+        without_fn()
+        with_fn()
+    sync()
+    diffs = []
+    for i in range(max(repeats, 1)):
+        pair = [0.0, 0.0]
+        for j in ((0, 1) if i % 2 == 0 else (1, 0)):  # alternate the order: neither always runs first
+            fn = with_fn if j == 0 else without_fn
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            sync()
+            pair[j] = (time.perf_counter() - t0) / inner
+        diffs.append(pair[0] - pair[1])
+    return max(statistics.median(diffs), 0.0)
+
+
+def _time_calls(fn: Callable[[], Any], sync: Callable[[], None], repeats: int, inner: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
     sync()
     samples = []
     for _ in range(repeats):

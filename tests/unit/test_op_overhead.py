@@ -119,3 +119,26 @@ def test_profiler_measures_every_kind() -> None:
     assert all(v >= 0 for v in out.values())
     profile_from_dict({**profile_to_dict(cpu_like()),
                        "device": {**profile_to_dict(cpu_like())["device"], "op_overhead": out}})
+
+
+def test_paired_extra_cancels_the_machine_speed_moving_between_measurements(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two measured costs, 2 ms and 1 ms a call, while the machine runs at half speed for the second half of the
+    measurement (a shared VM's slow phase): timed apart (the cheaper one first, the median of each), the difference
+    would come out 4 - 1 = 3 ms; paired, it is 1 ms where the speed is steady and 2 ms in the slow phase."""
+    from autopar.profiles import eager
+
+    clock, calls = [0.0], [0]
+
+    def work(ms: float):  # noqa: ANN202 - a fake workload on the fake clock
+        def f() -> None:
+            calls[0] += 1
+            clock[0] += ms * 1e-3 * (2.0 if calls[0] > 60 else 1.0)
+        return f
+
+    monkeypatch.setattr(eager.time, "perf_counter", lambda: clock[0])
+    extra = eager._paired_extra(work(2.0), work(1.0), lambda: None, repeats=9, inner=5, warmup=1)
+    assert calls[0] == 2 + 9 * 2 * 5  # the warm-up, then 9 pairs of 5 calls each
+    assert 1e-3 <= extra <= 2e-3
+    clock[0], calls[0] = 0.0, -10_000  # steady speed: exactly the difference
+    assert eager._paired_extra(work(2.0), work(1.0), lambda: None, repeats=5) == pytest.approx(1e-3)
+    assert eager._paired_extra(work(1.0), work(2.0), lambda: None, repeats=5) == 0.0  # never negative
