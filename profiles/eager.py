@@ -13,9 +13,10 @@ import torch
 
 from autopar.profiles.schema import ClusterProfile
 
-_TINY_REPEATS = 15
-"""Timed repeats (or pairs) at least, for the measurements of tiny ops below: each takes milliseconds, and on a
-shared 2-core VM three repeats left a kind's per-op cost varying by 2-3x between two profiles of an idle machine."""
+TINY_REPEATS = 15
+"""Timed repeats (or pairs) the profiler asks for at least in the measurements of tiny ops below (each takes
+milliseconds): on a shared 2-core VM three repeats left a kind's per-op cost varying by 2-3x between two profiles of
+an idle machine, and 11 pairs of 3 calls by up to 1.7x."""
 
 
 def _training_op_overhead(device: torch.device, sync: Callable[[], None], repeats: int, ops: int = 32) -> float:
@@ -29,7 +30,7 @@ def _training_op_overhead(device: torch.device, sync: Callable[[], None], repeat
             y = y * 1.0001
         y.sum().backward()
 
-    return _time_calls(chain, sync, max(repeats, _TINY_REPEATS), 5, warmup=20) / (2 * (ops + 1))
+    return _time_calls(chain, sync, repeats, 5, warmup=20) / (2 * (ops + 1))
 
 
 _OVERHEAD_PASSES = {"matmul": 3, "embedding": 1}
@@ -121,7 +122,7 @@ def _op_overheads(device: torch.device, sync: Callable[[], None], repeats: int, 
     step = {}
     for k, f in chains.items():
         try:
-            step[k] = _paired_extra(f, base, sync, max(repeats, _TINY_REPEATS)) / ops
+            step[k] = _paired_extra(f, base, sync, repeats) / ops
         except Exception:  # noqa: BLE001 - DTensor has no rule for this kind here: not measured
             if mesh is None:
                 raise
@@ -139,7 +140,7 @@ def _sharded_op_overheads(device: torch.device, sync: Callable[[], None], repeat
     step = {}
     for k, f in sharded.items():
         try:
-            step[k] = _paired_extra(f, plain[k], sync, max(repeats, _TINY_REPEATS)) / ops
+            step[k] = _paired_extra(f, plain[k], sync, repeats) / ops
         except Exception:  # noqa: BLE001 - DTensor has no rule for this kind here: not measured
             continue
     return _per_pass_costs(step, views, pointwise, per_pass)
@@ -247,7 +248,7 @@ def _pipeline_overhead(device: torch.device, sync: Callable[[], None], repeats: 
     def scheduled() -> None:
         schedule.step(x, target=tgt, losses=[])
 
-    return _paired_extra(scheduled, plain, sync, max(repeats, _TINY_REPEATS)) / m
+    return _paired_extra(scheduled, plain, sync, repeats) / m
 
 
 def pipeline_overhead_two_ranks(device: torch.device, rank: int, repeats: int, group: Any = None,
@@ -287,7 +288,7 @@ def pipeline_overhead_two_ranks(device: torch.device, rank: int, repeats: int, g
         timed(scheduled)
         timed(plain)
     # adjacent pairs (see _paired_extra): the machine's speed, which moves over seconds, cancels in each difference
-    pairs = [timed(scheduled) / (m + 1) - timed(plain) / m for _ in range(max(repeats, _TINY_REPEATS))]
+    pairs = [timed(scheduled) / (m + 1) - timed(plain) / m for _ in range(max(repeats, 1))]
     return max(statistics.median(pairs), 0.0)
 
 
@@ -313,7 +314,7 @@ def _fsdp_overheads(device: torch.device, sync: Callable[[], None], repeats: int
                 q.grad = None
         return step
 
-    extra = {k: _paired_extra(step_of(k, True), step_of(k, False), sync, max(repeats, _TINY_REPEATS)) for k in (1, 8)}
+    extra = {k: _paired_extra(step_of(k, True), step_of(k, False), sync, repeats) for k in (1, 8)}
     per_tensor = max(extra[8] - extra[1], 0.0) / (2 * 7 * units)  # a linear holds 2 tensors
     per_unit = max(extra[1] - 2 * per_tensor * units, 0.0) / (units + 1)  # the root is a unit too
     return {"fsdp_unit": per_unit / per_pass, "fsdp_tensor": per_tensor / per_pass}

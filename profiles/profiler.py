@@ -54,6 +54,7 @@ import torch.multiprocessing as mp
 from autopar.profiles.cost import collective_factor
 from autopar.profiles.eager import (  # noqa: F401  (re-exported: the profiler's public measuring helpers)
     _OVERHEAD_PASSES,
+    TINY_REPEATS,
     _op_overheads,
     _time_calls,
     _training_op_overhead,
@@ -263,8 +264,9 @@ def _measure_device(opts: ProfileOptions, device: torch.device, rank: int, prog:
     x, y = torch.ones(1, device=device), torch.ones(1, device=device)
     out = torch.empty(1, device=device)
     launch = _time_calls(lambda: torch.add(x, y, out=out), sync, reps, 200)
-    per_op = _training_op_overhead(device, sync, reps)
-    op_overhead = _op_overheads(device, sync, reps, max(launch, per_op))
+    tiny = max(reps, TINY_REPEATS)  # tiny ops: cheap to repeat, and noisy
+    per_op = _training_op_overhead(device, sync, tiny)
+    op_overhead = _op_overheads(device, sync, tiny, max(launch, per_op))
     _step(prog, "launch overhead")
     # pointwise bandwidth: out = a + b
     numel = (4 if quick else 16) * 1024 * 1024 * (16 if cuda else 1)
@@ -395,7 +397,7 @@ def _worker(rank: int, opts: ProfileOptions, port: int, backend: str, result_pat
             if not cuda and opts.ranks > 1:  # gloo: the pipeline schedule with its sends, on ranks 0 and 1
                 pair = dist.new_group([0, 1]) if opts.ranks > 2 else None
                 if rank < 2:
-                    pipeline = pipeline_overhead_two_ranks(device, rank, opts.repeats or 5, pair)
+                    pipeline = pipeline_overhead_two_ranks(device, rank, max(opts.repeats or 5, TINY_REPEATS), pair)
                 dist.barrier()
         finally:
             if prog is not None:
@@ -433,7 +435,7 @@ def _measure(opts: ProfileOptions) -> tuple[ClusterProfile, dict[str, Any]]:
     if backend == "gloo":  # the runtime's eager work, in a one-rank process group of its own
         dev = data["device"]
         dev["runtime_overhead"], dev["dtensor_op_overhead"] = measure_runtime_overheads(
-            threads=data["threads"], repeats=opts.repeats or 5)
+            threads=data["threads"], repeats=max(opts.repeats or 5, TINY_REPEATS))
         dev["sources"]["runtime_overhead"] = dev["sources"]["op_overhead"] + " (one process)"
         dev["sources"]["dtensor_op_overhead"] = (dev["sources"]["op_overhead"] + " (one process: each kind's chain on "
                                                  "replicated DTensors of a one-rank mesh less on plain tensors)")
