@@ -1,10 +1,16 @@
 """``autopar run`` refuses, in the launcher, a plan for more processes than it starts.  The whole path
 ``autopar profile`` -> ``plan`` -> ``run`` on this machine (loss and step time per step, measured vs predicted step
-time per stage) is the README's sequence, run as written by tests/integration/test_readme.py, which checks that log."""
+time per stage) is the README's sequence, run as written by tests/integration/test_readme.py, which checks that log.
+The launch agent runs forked from the server that preloads the workers' imports."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from autopar import ir
 from autopar.planner.cli import main
@@ -21,3 +27,23 @@ def test_run_rejects_a_plan_for_more_processes_than_one_node_starts(tmp_path: Pa
     ir.dump_plan(make_plan(graph, dp=2, micro_batch=2), path)
     assert main(["run", str(path), "--model", "gpt-tiny", "--steps", "1", "--nproc", "1"]) == 2
     assert "needs 2 processes" in capsys.readouterr().err
+
+
+_FORKED_AGENT = """
+import json, sys
+from autopar.planner.run import agent
+agent._start_fork_server()
+codes = [agent._run_forked_agent(["--nproc-per-node", "1", "--standalone", "--no-python", cmd]) for cmd in sys.argv[1:]]
+print(json.dumps({"codes": codes, "torch": "torch" in sys.modules}))
+"""
+
+
+@pytest.mark.multiprocess
+def test_the_agent_runs_forked_from_the_preloaded_server_and_the_launcher_imports_no_torch() -> None:
+    """torchrun's agent runs in a child of the fork server that preloads torch for the workers, so the launched process
+    (``python -m autopar.planner.run``) never imports torch itself; the agent's exit code is the launcher's."""
+    res = subprocess.run([sys.executable, "-c", _FORKED_AGENT, "true", "false"], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out == {"codes": [0, 1], "torch": False}, (out, res.stderr[-3000:])
