@@ -113,6 +113,13 @@ def _forked_agent(argv: list[str], state: dict[str, Any]) -> None:
     key of ``state``, the alive fd inherited) instead of starting one of its own."""
     from multiprocessing import resource_tracker
 
+    # a process group of its own: a signal to the launcher's group (Ctrl-C, `autopar run`'s timeout) reaches the
+    # agent once, through the launcher, as it reached torchrun's own agent, not twice (a second one would cut its
+    # shutdown of the workers short)
+    try:
+        os.setpgid(0, 0)
+    except OSError:
+        pass
     server = multiprocessing.forkserver._forkserver  # type: ignore[attr-defined]
     for k, v in state.items():
         setattr(server, k, v)
