@@ -326,8 +326,8 @@ def _paired_extra(with_fn: Callable[[], Any], without_fn: Callable[[], Any], syn
     adjacent pairs of timings (``inner`` calls each), after ``warmup`` calls of both.  Each difference is taken
     between two timings milliseconds apart, so that the machine's speed, which moves over seconds on a shared host,
     and the first calls' lazy initialisation cancel in it; a difference of two medians timed one after the other
-    lands either on whichever was timed in the slower moment (on a 2-core VM a kind's per-op cost came out anywhere
-    from 0.5 to 22 us in four profiles of one idle machine)."""
+    carries whatever the speed did between them (on a 2-core VM a kind's per-op cost came out anywhere from 0.5 to
+    22 us in four back-to-back measurements on the idle machine)."""
     for _ in range(warmup):
         without_fn()
         with_fn()
