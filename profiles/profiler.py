@@ -8,6 +8,8 @@ a real run):
   (CPU: ``cpu_count // ranks``). The peak of a dtype is its best achieved FLOP/s; efficiency = achieved / peak, with
   the measured launch overhead removed first (the cost model adds it back);
 - pointwise memory bandwidth (``out = a + b`` on large tensors, 3 tensors of traffic);
+- on CPU, the arithmetic rate of non-matmul ops (``vector_flops``: the median over norms, softmax, activations, a sum
+  and a product of FLOPs as the IR counts them per second, on cache-resident tensors; on GPU the fp32 peak);
 - launch overhead: what one op costs beyond its math in a training step, i.e. a chain of tiny autograd ops run
   forward and backward, per op and pass (dispatch + autograd bookkeeping + kernel launch); a bare one-element op
   (no autograd) is also timed and is what matmul timings are corrected by; and, per op kind of the IR (linear,
@@ -62,6 +64,7 @@ from autopar.profiles.eager import (  # noqa: F401  (re-exported: the profiler's
     oversubscribed,
     pipeline_overhead_two_ranks,
     time_concurrent,
+    vector_rate,
 )
 from autopar.profiles.fit import busbw_from_beta, fit_alpha_beta
 from autopar.profiles.profiler_args import build_parser
@@ -299,6 +302,10 @@ def _measure_device(opts: ProfileOptions, device: torch.device, rank: int, prog:
                 e = min(e, pts[-1]["efficiency"] * f / pts[-1]["flops"])
             pts.append({"flops": f, "efficiency": e})
         eff[dt] = pts
+    # non-matmul arithmetic: on a GPU these ops are memory-bound at any size worth costing, and a rate timed from one
+    # would be the bandwidth again, so the fp32 peak stands for it; a CPU core runs them far below its matmul peak
+    vector = peak["float32"] if cuda else vector_rate(device, sync, tiny, launch)[0]
+    _step(prog, "vector ops")
     if cuda:
         name = torch.cuda.get_device_name(device)
         mem = int(torch.cuda.get_device_properties(device).total_memory)
@@ -314,7 +321,7 @@ def _measure_device(opts: ProfileOptions, device: torch.device, rank: int, prog:
         "memory_bandwidth": mem_bw,
         "launch_overhead_s": max(launch, per_op),
         "op_overhead": op_overhead,
-        "vector_flops": peak["float32"],
+        "vector_flops": vector,
         "sources": {
             k: src
             for k in ("name", "memory_bytes", "peak_flops", "matmul_efficiency", "memory_bandwidth",
@@ -386,7 +393,7 @@ def _worker(rank: int, opts: ProfileOptions, port: int, backend: str, result_pat
     try:
         n_mm = len(_matmul_sizes(opts, cuda)) * (3 if cuda else 2)
         n_coll = len(opts.message_sizes or default_message_sizes(opts.quick))
-        total = 2 + n_mm + (len(_group_sizes(opts.ranks)) * 4 + 1) * n_coll * (opts.ranks > 1)
+        total = 3 + n_mm + (len(_group_sizes(opts.ranks)) * 4 + 1) * n_coll * (opts.ranks > 1)
         prog = _progress(opts.progress and rank == 0, total)
         try:
             dev = _measure_device(opts, device, rank, prog)

@@ -142,3 +142,26 @@ def test_paired_extra_cancels_the_machine_speed_moving_between_measurements(monk
     clock[0], calls[0] = 0.0, -10_000  # steady speed: exactly the difference
     assert eager._paired_extra(work(2.0), work(1.0), lambda: None, repeats=5) == pytest.approx(1e-3)
     assert eager._paired_extra(work(1.0), work(2.0), lambda: None, repeats=5) == 0.0  # never negative
+
+
+def test_vector_rate_counts_flops_as_the_ir_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``vector_flops`` on CPU: each op's FLOPs as ``ir.ops`` counts them over its time less the bare op's fixed
+    cost, and the median over the ops (a fake timer: every op takes 1 ms + 0.1 ms overhead)."""
+    from autopar.ir.ops import OP_RULES
+    from autopar.profiles import eager
+
+    timed: list[str] = []
+
+    def fake_time(fn, sync, repeats, inner, warmup=1):  # noqa: ANN001, ANN202
+        timed.append(fn.__name__)
+        return 1.1e-3
+
+    monkeypatch.setattr(eager, "_time_calls", fake_time)
+    numel = 1 << 12
+    rate, rates = eager.vector_rate(torch.device("cpu"), lambda: None, repeats=1, overhead=1e-4, numel=numel)
+    assert set(rates) == set(eager.VECTOR_OPS) and len(timed) == len(rates)
+    for name, r in rates.items():  # the per-element count the profiler uses is the IR's
+        assert r == pytest.approx(OP_RULES[name].per_elem * numel / 1e-3), name
+    assert rate == pytest.approx(4.0 * numel / 1e-3)  # median of 5, 5, 4, 4, 4, 1, 1
+    real, _ = eager.vector_rate(torch.device("cpu"), lambda: None, repeats=1, overhead=0.0, numel=1 << 10)
+    assert real > 0
