@@ -4,6 +4,7 @@ the profile transform that carries a measured device to such a node."""
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -17,6 +18,34 @@ TINY_REPEATS = 15
 """Timed repeats (or pairs) the profiler asks for at least in the measurements of tiny ops below (each takes
 milliseconds): on a shared 2-core VM three repeats left a kind's per-op cost varying by 2-3x between two profiles of
 an idle machine, and 11 pairs of 3 calls by up to 1.7x."""
+
+
+PRELOAD = ("torch", "torch.distributed", "autopar.profiles.profiler")
+"""What the fork server the profiler starts its processes from imports once (:func:`process_context`)."""
+
+
+def process_context() -> Any:
+    """The multiprocessing context the profiler starts its ranks and helper processes in: a fork server that has
+    imported torch once, where the platform has one (each process importing torch afresh costs ~2 CPU-s here, and a
+    4-rank profile starts five), else fresh interpreters (``spawn``).  The server never runs an op, so that its
+    children start with no OpenMP or CUDA state, as spawned ones do.  A fork server this process already runs (the
+    test harness's, ``autopar run``'s agent's) is used as it is; its children take the caller's environment from
+    their arguments (:func:`with_env`), not the server's."""
+    import multiprocessing
+    import multiprocessing.forkserver
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    if getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None) is None:  # type: ignore[attr-defined]
+        multiprocessing.set_forkserver_preload(list(PRELOAD))
+    return multiprocessing.get_context("forkserver")
+
+
+def with_env(env: dict[str, str], fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` with ``os.environ`` set to ``env`` first (a fork server's child starts with the server's)."""
+    os.environ.clear()
+    os.environ.update(env)
+    return fn(*args)
 
 
 def _training_op_overhead(device: torch.device, sync: Callable[[], None], repeats: int, ops: int = 32) -> float:
@@ -215,7 +244,6 @@ def _runtime_overheads(device: torch.device, sync: Callable[[], None], repeats: 
 
 
 def _runtime_worker(queue: Any, threads: int, repeats: int) -> None:
-    import os
     import tempfile
 
     import torch.distributed as dist
@@ -239,11 +267,9 @@ def measure_runtime_overheads(*, threads: int = 1, repeats: int = 5) -> tuple[di
     """:func:`_runtime_overheads` and :func:`_sharded_op_overheads` on CPU in a process of its own (a one-rank gloo
     group), relative to the op cost per pass measured in that process: the ``runtime_overhead`` and the
     ``dtensor_op_overhead`` of a CPU profile."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("spawn")
+    ctx = process_context()
     queue = ctx.Queue()
-    proc = ctx.Process(target=_runtime_worker, args=(queue, threads, repeats))
+    proc = ctx.Process(target=with_env, args=(dict(os.environ), _runtime_worker, queue, threads, repeats))
     proc.start()
     try:
         runtime, sharded = queue.get(timeout=600)
@@ -424,11 +450,11 @@ def time_concurrent(processes: int, *, iters: int = 3000, threads: int = 1) -> f
     Against the same with fewer processes, this is the time-slicing factor of an oversubscribed CPU node: more
     ranks than cores (or other work on the machine) share the cores, and each rank's every op takes that much
     longer (:func:`oversubscribed`)."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("spawn")
+    ctx = process_context()
     barrier, queue = ctx.Barrier(processes), ctx.Queue()
-    procs = [ctx.Process(target=_slicing_worker, args=(barrier, queue, iters, threads)) for _ in range(processes)]
+    env = dict(os.environ)
+    procs = [ctx.Process(target=with_env, args=(env, _slicing_worker, barrier, queue, iters, threads))
+             for _ in range(processes)]
     for p in procs:
         p.start()
     times = [queue.get(timeout=600) for _ in procs]

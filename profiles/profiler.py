@@ -1,8 +1,8 @@
 """``autopar profile``: measure this machine and write a cluster profile the planner accepts.
 
-Runs ``ranks`` local processes (``torch.multiprocessing.spawn`` on a free localhost port; gloo on CPU, NCCL with one
-rank per GPU on CUDA) and measures, all ranks concurrently (so shared memory bandwidth and cores are contended as in
-a real run):
+Runs ``ranks`` local processes (forked from a server that imported torch once, or spawned where the platform has
+none; on a free localhost port; gloo on CPU, NCCL with one rank per GPU on CUDA) and measures, all ranks
+concurrently (so shared memory bandwidth and cores are contended as in a real run):
 
 - matmul time over square sizes and dtypes (float32, bfloat16; float16 on GPU), with the threads a rank would use
   (CPU: ``cpu_count // ranks``). The peak of a dtype is its best achieved FLOP/s; efficiency = achieved / peak, with
@@ -63,8 +63,10 @@ from autopar.profiles.eager import (  # noqa: F401  (re-exported: the profiler's
     measure_runtime_overheads,
     oversubscribed,
     pipeline_overhead_two_ranks,
+    process_context,
     time_concurrent,
     vector_rate,
+    with_env,
 )
 from autopar.profiles.fit import busbw_from_beta, fit_alpha_beta
 from autopar.profiles.profiler_args import build_parser
@@ -380,6 +382,12 @@ def _measure_links(opts: ProfileOptions, device: torch.device, rank: int, prog: 
     return {"tables": tables, "raw": raw, "sizes": list(sizes)}
 
 
+def _rank_entry(rank: int, env: dict[str, str], opts: ProfileOptions, port: int, backend: str, result_path: str
+                ) -> None:
+    """One profiling rank, in the caller's environment (see :func:`~autopar.profiles.eager.process_context`)."""
+    with_env(env, _worker, rank, opts, port, backend, result_path)
+
+
 def _worker(rank: int, opts: ProfileOptions, port: int, backend: str, result_path: str) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -415,7 +423,7 @@ def _worker(rank: int, opts: ProfileOptions, port: int, backend: str, result_pat
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    exit_without_finalization(0)  # only after a clean finish: a raised error goes back to mp.spawn as usual
+    exit_without_finalization(0)  # only after a clean finish: a raised error goes back to start_processes as usual
 
 
 def measure_profile(ranks: int = 2, *, quick: bool = False, **options: Any) -> ClusterProfile:
@@ -437,7 +445,9 @@ def _measure(opts: ProfileOptions) -> tuple[ClusterProfile, dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="autopar-profile-") as tmp:
         result = os.path.join(tmp, "result.json")
         log.info("profiling with %d %s rank(s)%s", opts.ranks, backend, " (quick)" if opts.quick else "")
-        mp.spawn(_worker, args=(opts, free_port(), backend, result), nprocs=opts.ranks, join=True)
+        ctx = process_context()
+        mp.start_processes(_rank_entry, args=(dict(os.environ), opts, free_port(), backend, result), nprocs=opts.ranks,
+                           join=True, start_method=ctx.get_start_method())
         data = json.loads(Path(result).read_text())
     if backend == "gloo":  # the runtime's eager work, in a one-rank process group of its own
         dev = data["device"]
