@@ -10,9 +10,9 @@ training step sustains (see :class:`~profiles.schema.DeviceProfile`).
 
 **Causal flash attention** (kind ``causal_attention``) is costed as the kernel runs: the caller passes the FLOPs it
 performs (half the score matrix; FlashAttention skips fully masked blocks, Dao 2023, sec. 3.1) and the sequence
-length, and the rate comes from the device's ``causal_attention_efficiency`` curve (log-linear in ``seq``, clamped),
-not from the GEMM table: short sequences leave the kernel latency- and softmax-bound.  Without a curve the GEMM
-table is used at those FLOPs.
+length (and head dimension), and the rate comes from the device's ``causal_attention_efficiency`` curve (log-linear
+in ``seq``, clamped; measured profiles hold one curve per head dimension), not from the GEMM table: short sequences
+leave the kernel latency- and softmax-bound.  Without a curve the GEMM table is used at those FLOPs.
 
 **Collectives** follow the NCCL-tests bus-bandwidth convention documented in :mod:`autopar.profiles.schema`.
 A group is described by a :class:`GroupSpan`: ``d`` devices in each of ``m`` nodes (``g = d * m`` ranks).
@@ -172,8 +172,14 @@ def interp_efficiency(points: tuple[EfficiencyPoint, ...], flops: float) -> floa
     raise AssertionError("unreachable: table not sorted")
 
 
-def interp_seq_efficiency(points: tuple[SeqEfficiencyPoint, ...], seq: int) -> float:
-    """Efficiency at sequence length ``seq``: linear in ``log(seq)`` between points, clamped at the ends."""
+def interp_seq_efficiency(points: tuple[SeqEfficiencyPoint, ...], seq: int, head_dim: int | None = None) -> float:
+    """Efficiency at sequence length ``seq``: linear in ``log(seq)`` between points, clamped at the ends.  A table
+    measured per head dimension is read on the curve of the head dimension nearest ``head_dim`` (by ratio; the
+    largest when ``head_dim`` is unknown)."""
+    dims = sorted({q.head_dim for q in points if q.head_dim is not None})
+    if dims:
+        pick = dims[-1] if not head_dim else min(dims, key=lambda d: (abs(math.log(d / head_dim)), -d))
+        points = tuple(q for q in points if q.head_dim == pick)
     if seq <= points[0].seq:
         return points[0].efficiency
     if seq >= points[-1].seq:
@@ -222,12 +228,14 @@ class CostModel:
         table = tables.get(dt) or tables.get("default") or next(iter(tables.values()))
         return interp_efficiency(table, max(flops, 1.0))
 
-    def compute_rate(self, dtype: str, kind: str, flops: float, seq: int | None = None) -> float:
-        """Achieved FLOP/s of an op of ``kind`` (``seq``: key length, for ``causal_attention``)."""
+    def compute_rate(self, dtype: str, kind: str, flops: float, seq: int | None = None,
+                     head_dim: int | None = None) -> float:
+        """Achieved FLOP/s of an op of ``kind`` (``seq``: key length, ``head_dim``: its head dimension, for
+        ``causal_attention``)."""
         dev = self.profile.device
         dt = self._dtype(dtype)
         if kind == "causal_attention" and dev.causal_attention_efficiency and seq:
-            return dev.peak_flops[dt] * interp_seq_efficiency(dev.causal_attention_efficiency, seq)
+            return dev.peak_flops[dt] * interp_seq_efficiency(dev.causal_attention_efficiency, seq, head_dim)
         if kind in MATMUL_KINDS:
             peak_key = "tf32" if (dt == "float32" and self.allow_tf32 and "tf32" in dev.peak_flops) else dt
             return dev.peak_flops[peak_key] * self.efficiency(dt, flops)
@@ -236,7 +244,7 @@ class CostModel:
         return dev.peak_flops.get("float32", dev.peak_flops[dt])
 
     def op_time(self, flops: float, bytes: float, dtype: str, kind: str = "other",  # noqa: A002
-                seq: int | None = None) -> float:
+                seq: int | None = None, head_dim: int | None = None) -> float:
         """``max(flops / rate, bytes / memory_bandwidth) / sustained_fraction + op_overhead(kind)``; a view moves
         no data and costs only its eager overhead (0 unless the profile measured one)."""
         if kind not in OP_KINDS:
@@ -246,7 +254,7 @@ class CostModel:
         if kind == "view":
             return self.op_overhead(kind)
         dev = self.profile.device
-        compute = flops / self.compute_rate(dtype, kind, flops, seq) if flops > 0 else 0.0
+        compute = flops / self.compute_rate(dtype, kind, flops, seq, head_dim) if flops > 0 else 0.0
         memory = bytes / dev.memory_bandwidth
         return max(compute, memory) / dev.sustained_fraction + self.op_overhead(kind)
 

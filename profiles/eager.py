@@ -121,43 +121,6 @@ def _kind_chains(device: torch.device, ops: int, mesh: Any = None
     return {k: run(op, ops) for k, op in chains.items()}, run(None, 0), views, pointwise
 
 
-VECTOR_OPS = ("layer_norm", "rms_norm", "softmax", "gelu", "silu", "sum", "mul")
-"""The non-matmul ops whose arithmetic rate the profiler times on CPU (:func:`vector_rate`): the norms, softmax,
-activations, reduction and product a transformer runs between its GEMMs."""
-
-
-def vector_rate(device: torch.device, sync: Callable[[], None], repeats: int, overhead: float,
-                numel: int = 1 << 16) -> tuple[float, dict[str, float]]:
-    """FLOP/s of non-matmul ops, counted as the IR counts them (``ir.ops``: 5 FLOPs an element for a layer norm or
-    softmax, 4 for an activation or RMS norm, 1 for a sum or product), each timed forward on ``numel`` float32
-    elements (rows of 64; 256 KiB, cache-resident on a CPU core, so that arithmetic rather than memory is timed)
-    less ``overhead`` (a bare op's fixed cost).  Returns the median over :data:`VECTOR_OPS` and each op's rate.
-
-    On a CPU these ops run at a few GFLOP/s under that count (this VM: 2.3-7.5 GFLOP/s one thread, layer norm
-    fastest, RMS norm slowest), a tenth or less of the matmul peak that stood for them before, so that the
-    activations and norms of a small model were predicted several times too fast."""
-    import torch.nn.functional as F  # noqa: N812
-
-    x = torch.randn(numel // 64, 64, device=device)
-    w, b = torch.ones(64, device=device), torch.zeros(64, device=device)
-    ops: dict[str, tuple[Callable[[], Any], float]] = {
-        "layer_norm": (lambda: F.layer_norm(x, (64,), w, b), 5.0),
-        "softmax": (lambda: torch.softmax(x, -1), 5.0),
-        "gelu": (lambda: F.gelu(x), 4.0),
-        "silu": (lambda: F.silu(x), 4.0),
-        "sum": (lambda: x.sum(-1), 1.0),
-        "mul": (lambda: x * x, 1.0),
-    }
-    if hasattr(F, "rms_norm"):  # torch >= 2.4
-        ops["rms_norm"] = (lambda: F.rms_norm(x, (64,), w), 4.0)
-    rates = {}
-    with torch.no_grad():
-        for name, (fn, per_elem) in ops.items():
-            t = _time_calls(fn, sync, repeats, 5, warmup=3)
-            rates[name] = per_elem * numel / max(t - overhead, 0.5 * t)
-    return statistics.median(rates.values()), rates
-
-
 def _per_pass_costs(step: dict[str, float], views: dict[str, int], pointwise: dict[str, int],
                     per_pass: float) -> dict[str, float]:
     """Seconds per chain step of each kind -> one op's cost per pass the cost model charges

@@ -8,6 +8,8 @@ concurrently (so shared memory bandwidth and cores are contended as in a real ru
   (CPU: ``cpu_count // ranks``). The peak of a dtype is its best achieved FLOP/s; efficiency = achieved / peak, with
   the measured launch overhead removed first (the cost model adds it back);
 - pointwise memory bandwidth (``out = a + b`` on large tensors, 3 tensors of traffic);
+- causal flash attention forward + backward per head dimension and sequence length
+  (``causal_attention_efficiency``, :func:`attention_curve`);
 - on CPU, the arithmetic rate of non-matmul ops (``vector_flops``: the median over norms, softmax, activations, a sum
   and a product of FLOPs as the IR counts them per second, on cache-resident tensors; on GPU the fp32 peak);
 - launch overhead: what one op costs beyond its math in a training step, i.e. a chain of tiny autograd ops run
@@ -65,11 +67,11 @@ from autopar.profiles.eager import (  # noqa: F401  (re-exported: the profiler's
     pipeline_overhead_two_ranks,
     process_context,
     time_concurrent,
-    vector_rate,
     with_env,
 )
 from autopar.profiles.fit import busbw_from_beta, fit_alpha_beta
 from autopar.profiles.profiler_args import build_parser
+from autopar.profiles.rates import attention_curve, time_matmul, vector_rate
 from autopar.profiles.schema import SCHEMA_VERSION, ClusterProfile, profile_from_dict, save_profile
 
 __all__ = [
@@ -154,29 +156,6 @@ def exit_without_finalization(code: int = 0) -> NoReturn:
 
 def _sync_fn(device: torch.device) -> Callable[[], None]:
     return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-
-def time_matmul(n: int, dtype: torch.dtype, device: torch.device, repeats: int, budget_s: float = 0.05) -> float:
-    """Median seconds of one ``[n,n] @ [n,n]`` matmul (calls batched to at least ``budget_s``)."""
-    sync = _sync_fn(device)
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    torch.matmul(a, b)
-    sync()
-    t0 = time.perf_counter()
-    torch.matmul(a, b)
-    sync()
-    single = max(time.perf_counter() - t0, 1e-7)
-    inner = max(1, min(1000, int(budget_s / single)))
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            torch.matmul(a, b)
-        sync()
-        samples.append((time.perf_counter() - t0) / inner)
-    return statistics.median(samples)
-
 
 
 def time_collective(
@@ -304,6 +283,10 @@ def _measure_device(opts: ProfileOptions, device: torch.device, rank: int, prog:
                 e = min(e, pts[-1]["efficiency"] * f / pts[-1]["flops"])
             pts.append({"flops": f, "efficiency": e})
         eff[dt] = pts
+    attn_peak = peak["bfloat16" if cuda else "float32"]
+    attn_overhead = op_overhead.get("attention", 1.0) * max(launch, per_op)
+    attention = attention_curve(device, sync, tiny, attn_peak, attn_overhead, quick)
+    _step(prog, "attention")
     # non-matmul arithmetic: on a GPU these ops are memory-bound at any size worth costing, and a rate timed from one
     # would be the bandwidth again, so the fp32 peak stands for it; a CPU core runs them far below its matmul peak
     vector = peak["float32"] if cuda else vector_rate(device, sync, tiny, launch)[0]
@@ -324,10 +307,11 @@ def _measure_device(opts: ProfileOptions, device: torch.device, rank: int, prog:
         "launch_overhead_s": max(launch, per_op),
         "op_overhead": op_overhead,
         "vector_flops": vector,
+        "causal_attention_efficiency": attention,
         "sources": {
             k: src
             for k in ("name", "memory_bytes", "peak_flops", "matmul_efficiency", "memory_bandwidth",
-                      "launch_overhead_s", "op_overhead", "vector_flops")
+                      "launch_overhead_s", "op_overhead", "vector_flops", "causal_attention_efficiency")
         },
     }
 
@@ -401,7 +385,7 @@ def _worker(rank: int, opts: ProfileOptions, port: int, backend: str, result_pat
     try:
         n_mm = len(_matmul_sizes(opts, cuda)) * (3 if cuda else 2)
         n_coll = len(opts.message_sizes or default_message_sizes(opts.quick))
-        total = 3 + n_mm + (len(_group_sizes(opts.ranks)) * 4 + 1) * n_coll * (opts.ranks > 1)
+        total = 4 + n_mm + (len(_group_sizes(opts.ranks)) * 4 + 1) * n_coll * (opts.ranks > 1)
         prog = _progress(opts.progress and rank == 0, total)
         try:
             dev = _measure_device(opts, device, rank, prog)

@@ -116,6 +116,10 @@ class SeqEfficiencyPoint:
     efficiency: float
     """Achieved FLOP/s (counting only the FLOPs the kernel performs: half the score matrix when causal) over the
     dtype's peak, in (0, 1]."""
+    head_dim: int | None = None
+    """Head dimension the point was measured at (``autopar profile`` measures a curve per head dimension: on a CPU
+    core a 16-wide head runs at about half the rate of a 64-wide one at the same length); None: one curve for all
+    (the built-in GPU curves, read at head dimension 128)."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -293,13 +297,18 @@ def _seq_efficiency(v: Any, path: str) -> tuple[SeqEfficiencyPoint, ...]:
     for i, x in enumerate(v):
         p = f"{path}[{i}]"
         d = _mapping(x, p)
-        _keys(d, p, {"seq", "efficiency"})
+        _keys(d, p, {"seq", "efficiency"}, {"head_dim"})
         eff = _num(d["efficiency"], _join(p, "efficiency"))
         if eff > 1.0:
             raise _fail(_join(p, "efficiency"), f"expected a number in (0, 1], got {eff!r}")
-        pts.append(SeqEfficiencyPoint(seq=_int(d["seq"], _join(p, "seq")), efficiency=eff))
-    if [q.seq for q in pts] != sorted({q.seq for q in pts}):
-        raise _fail(path, "seq must be strictly increasing")
+        hd = _int(d["head_dim"], _join(p, "head_dim")) if d.get("head_dim") is not None else None
+        pts.append(SeqEfficiencyPoint(seq=_int(d["seq"], _join(p, "seq")), efficiency=eff, head_dim=hd))
+    if len({q.head_dim is None for q in pts}) > 1:
+        raise _fail(path, "either every point gives head_dim or none does")
+    for hd in dict.fromkeys(q.head_dim for q in pts):  # one curve per head_dim, its points together and in order
+        at = [i for i, q in enumerate(pts) if q.head_dim == hd]
+        if at != list(range(at[0], at[-1] + 1)) or any(pts[i].seq >= pts[i + 1].seq for i in at[:-1]):
+            raise _fail(path, "seq must be strictly increasing, the points of one head_dim contiguous")
     return tuple(pts)
 
 
@@ -419,8 +428,9 @@ def profile_to_dict(profile: ClusterProfile) -> dict[str, Any]:
     if dev.runtime_overhead:
         device["runtime_overhead"] = dict(dev.runtime_overhead)
     if dev.causal_attention_efficiency:
-        device["causal_attention_efficiency"] = [{"seq": q.seq, "efficiency": q.efficiency}
-                                                 for q in dev.causal_attention_efficiency]
+        device["causal_attention_efficiency"] = [
+            {"seq": q.seq, "efficiency": q.efficiency, **({"head_dim": q.head_dim} if q.head_dim else {})}
+            for q in dev.causal_attention_efficiency]
     if dev.sources:
         device["sources"] = dict(dev.sources)
     links = {

@@ -118,12 +118,12 @@ class _Coster:
             o = self.cost.op_overhead("view")
             return o, (o if node.name in self.requires_grad else 0.0)
         f, nb = strat.frac, self.node_bytes(node)
-        seq, work = None, 1.0
+        seq, hd, work = None, None, 1.0
         if kind == "attention" and dict(node.attrs).get("is_causal") and node.out is not None and node.out.shape:
             # a causal flash kernel skips the masked half of the scores: half the counted FLOPs, at the kernel's own
-            # sequence-length-dependent rate (profiles.cost, "Causal flash attention")
-            kind, work, seq = "causal_attention", 0.5, int(node.out.shape[-2])
-        fwd = self.cost.op_time(node.flops_fwd * self.scale * f * work, nb * f, self.dtype, kind, seq)
+            # sequence-length- and head-dimension-dependent rate (profiles.cost, "Causal flash attention")
+            kind, work, seq, hd = "causal_attention", 0.5, int(node.out.shape[-2]), int(node.out.shape[-1])
+        fwd = self.cost.op_time(node.flops_fwd * self.scale * f * work, nb * f, self.dtype, kind, seq, hd)
         has_grad = any(m is not None and m.dtype in FLOAT_DTYPES
                        for m in (self.graph.input_meta(node, i) for i in range(len(node.inputs))))
         if not has_grad or node.kind == "creation":
@@ -132,7 +132,7 @@ class _Coster:
             # one kernel per gradient (input and weight), each the forward's size: the efficiency is that of a
             # forward-sized problem, not of one problem of the summed FLOPs
             bratio = self._gemm_passes(node)
-            one = self.cost.op_time(node.flops_bwd * self.scale * f * work / bratio, nb * f, self.dtype, kind, seq)
+            one = self.cost.op_time(node.flops_bwd * self.scale * f * work / bratio, nb * f, self.dtype, kind, seq, hd)
             return fwd, one * bratio
         # backward reads the output gradient, writes the input gradients, and re-reads what was saved
         if node.name not in self._saved:  # the same for every strategy of the node

@@ -36,3 +36,11 @@ def test_quick_profile_two_ranks(tmp_path) -> None:
     # stage waits for each activation and gradient, which a one-rank schedule cannot show
     assert "two-rank 1F1B" in prof.device.sources["runtime_overhead"]
     assert 0 < cm.runtime_overhead("pipeline_microbatch") < 0.1
+    # CPU: non-matmul ops at their own measured rate (below the matmul peak on any CPU), causal attention per head dim
+    assert 0 < prof.device.vector_flops < prof.device.peak_flops["float32"]
+    curve = prof.device.causal_attention_efficiency
+    assert {(q.head_dim, q.seq) for q in curve} == {(hd, s) for hd in (16, 64) for s in (32, 128, 512)}
+    assert all(0 < q.efficiency <= 1 for q in curve)
+    first = next(q for q in curve if (q.head_dim, q.seq) == (16, 32))
+    assert cm.op_time(1e6, 0.0, "float32", "causal_attention", 32, 16) == pytest.approx(
+        1e6 / (prof.device.peak_flops["float32"] * first.efficiency) + cm.op_overhead("attention"))

@@ -135,6 +135,39 @@ def test_causal_attention_uses_its_curve() -> None:
                                  + dev.launch_overhead_s)
 
 
+def test_causal_attention_curve_per_head_dim() -> None:
+    """A measured table holds one curve per head dimension: an op is read on the curve of the nearest one (by
+    ratio), an unknown head dimension on the largest; the schema round-trips it and refuses mixed or interleaved
+    curves."""
+    from autopar.profiles.cost import interp_seq_efficiency
+    from autopar.profiles.schema import SeqEfficiencyPoint
+
+    pts = tuple(SeqEfficiencyPoint(seq=s, efficiency=e, head_dim=hd)
+                for hd, curve in ((16, ((32, 0.1), (512, 0.3))), (64, ((32, 0.2), (512, 0.5)))) for s, e in curve)
+    assert interp_seq_efficiency(pts, 32, 16) == 0.1
+    assert interp_seq_efficiency(pts, 512, 128) == 0.5  # nearest: 64
+    assert interp_seq_efficiency(pts, 32, 24) == 0.1  # 24/16 < 64/24
+    assert interp_seq_efficiency(pts, 32, None) == 0.2
+    assert interp_seq_efficiency(pts, 128, 16) == pytest.approx(0.2)  # half way in log(seq)
+    prof = load_builtin("dgx-h100")
+    measured = dataclasses.replace(prof, device=dataclasses.replace(prof.device, causal_attention_efficiency=pts))
+    text = dump_profile(measured)
+    assert loads_profile(text).device.causal_attention_efficiency == pts
+    cost = CostModel(measured)
+    assert cost.op_time(1e9, 0.0, "bfloat16", "causal_attention", 32, 16) > \
+        cost.op_time(1e9, 0.0, "bfloat16", "causal_attention", 32, 64)
+    point = "  - seq: 32\n    efficiency: 0.1\n"
+    mixed = text.replace(point + "    head_dim: 16\n", point, 1)
+    assert mixed != text
+    with pytest.raises(ProfileError, match="every point gives head_dim or none"):
+        loads_profile(mixed)
+    d = measured.device
+    apart = (pts[0], pts[2], pts[1], pts[3])  # 16, 64, 16, 64
+    with pytest.raises(ProfileError, match="of one head_dim contiguous"):
+        loads_profile(dump_profile(dataclasses.replace(
+            measured, device=dataclasses.replace(d, causal_attention_efficiency=apart))))
+
+
 def test_profile_overlap_slowdown_validated() -> None:
     prof = load_builtin("dgx-a100-80gb")
     text = dump_profile(prof)

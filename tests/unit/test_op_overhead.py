@@ -148,7 +148,7 @@ def test_vector_rate_counts_flops_as_the_ir_does(monkeypatch: pytest.MonkeyPatch
     """``vector_flops`` on CPU: each op's FLOPs as ``ir.ops`` counts them over its time less the bare op's fixed
     cost, and the median over the ops (a fake timer: every op takes 1 ms + 0.1 ms overhead)."""
     from autopar.ir.ops import OP_RULES
-    from autopar.profiles import eager
+    from autopar.profiles import rates
 
     timed: list[str] = []
 
@@ -156,12 +156,12 @@ def test_vector_rate_counts_flops_as_the_ir_does(monkeypatch: pytest.MonkeyPatch
         timed.append(fn.__name__)
         return 1.1e-3
 
-    monkeypatch.setattr(eager, "_time_calls", fake_time)
+    monkeypatch.setattr(rates, "_time_calls", fake_time)
     numel = 1 << 12
-    rate, rates = eager.vector_rate(torch.device("cpu"), lambda: None, repeats=1, overhead=1e-4, numel=numel)
-    assert set(rates) == set(eager.VECTOR_OPS) and len(timed) == len(rates)
-    for name, r in rates.items():  # the per-element count the profiler uses is the IR's
+    rate, by_op = rates.vector_rate(torch.device("cpu"), lambda: None, repeats=1, overhead=1e-4, numel=numel)
+    assert set(by_op) == set(rates.VECTOR_OPS) and len(timed) == len(by_op)
+    for name, r in by_op.items():  # the per-element count the profiler uses is the IR's
         assert r == pytest.approx(OP_RULES[name].per_elem * numel / 1e-3), name
     assert rate == pytest.approx(4.0 * numel / 1e-3)  # median of 5, 5, 4, 4, 4, 1, 1
-    real, _ = eager.vector_rate(torch.device("cpu"), lambda: None, repeats=1, overhead=0.0, numel=1 << 10)
+    real, _ = rates.vector_rate(torch.device("cpu"), lambda: None, repeats=1, overhead=0.0, numel=1 << 10)
     assert real > 0
