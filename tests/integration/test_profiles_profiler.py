@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+
 import pytest
 import torch
 
@@ -44,3 +47,29 @@ def test_quick_profile_two_ranks(tmp_path) -> None:
     first = next(q for q in curve if (q.head_dim, q.seq) == (16, 32))
     assert cm.op_time(1e6, 0.0, "float32", "causal_attention", 32, 16) == pytest.approx(
         1e6 / (prof.device.peak_flops["float32"] * first.efficiency) + cm.op_overhead("attention"))
+
+
+def _env_of_child(queue, name: str) -> None:  # noqa: ANN001 - a multiprocessing queue
+    queue.put(os.environ.get(name))
+
+
+@pytest.mark.multiprocess
+def test_profiler_processes_fork_from_a_preloaded_server_with_the_callers_environment(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The profiler's processes start from a fork server (which imported torch once), and run in the environment
+    the caller has when it starts them, not the one the server started with."""
+    from autopar.profiles.eager import process_context, with_env
+
+    ctx = process_context()
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        assert ctx.get_start_method() == "spawn"
+        return
+    assert ctx.get_start_method() == "forkserver"
+    queue = ctx.Queue()
+    for value in ("first", "second"):  # the server is running by the second start: the variable is set after it
+        monkeypatch.setenv("AUTOPAR_TEST_PROFILER_ENV", value)
+        proc = ctx.Process(target=with_env, args=(dict(os.environ), _env_of_child, queue, "AUTOPAR_TEST_PROFILER_ENV"))
+        proc.start()
+        got = queue.get(timeout=120)
+        proc.join()
+        assert got == value and proc.exitcode == 0
