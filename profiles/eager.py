@@ -140,21 +140,14 @@ def _per_pass_costs(step: dict[str, float], views: dict[str, int], pointwise: di
 
 
 def _op_overheads(device: torch.device, sync: Callable[[], None], repeats: int, per_pass: float,
-                  ops: int = 16, mesh: Any = None) -> dict[str, float]:
+                  ops: int = 16) -> dict[str, float]:
     """Eager cost of one op of each IR kind (forward + backward, on tiny operands so that the math is negligible),
     per pass the cost model charges (:data:`_OVERHEAD_PASSES`), in units of ``per_pass`` (the scalar-multiply
     chain's cost per op and pass).  Each kind is a chain of ``ops`` such ops timed against the same chain without
-    them (:func:`_paired_extra`), so that the leaf, the loss and ``backward()`` cancel.  With a ``mesh`` every
-    operand and parameter is a replicated DTensor on it, as under tensor parallelism (a kind DTensor cannot run is
-    left out)."""
-    chains, base, views, pointwise = _kind_chains(device, ops, mesh)
-    step = {}
-    for k, f in chains.items():
-        try:
-            step[k] = _paired_extra(f, base, sync, repeats) / ops
-        except Exception:  # noqa: BLE001 - DTensor has no rule for this kind here: not measured
-            if mesh is None:
-                raise
+    them (:func:`_paired_extra`), so that the leaf, the loss and ``backward()`` cancel.  DTensor's extra cost on
+    top: :func:`_sharded_op_overheads`."""
+    chains, base, views, pointwise = _kind_chains(device, ops)
+    step = {k: _paired_extra(f, base, sync, repeats) / ops for k, f in chains.items()}
     return _per_pass_costs(step, views, pointwise, per_pass)
 
 
@@ -370,6 +363,11 @@ def _paired_extra(with_fn: Callable[[], Any], without_fn: Callable[[], Any], syn
             pair[j] = (time.perf_counter() - t0) / inner
         diffs.append(pair[0] - pair[1])
     return max(statistics.median(diffs), 0.0)
+
+
+def _sync_fn(device: torch.device) -> Callable[[], None]:
+    """What waits for ``device``'s queued work before a clock is read (nothing on CPU)."""
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
 
 def _time_calls(fn: Callable[[], Any], sync: Callable[[], None], repeats: int, inner: int, warmup: int = 1) -> float:

@@ -60,6 +60,7 @@ from autopar.profiles.eager import (  # noqa: F401  (re-exported: the profiler's
     _OVERHEAD_PASSES,
     TINY_REPEATS,
     _op_overheads,
+    _sync_fn,
     _time_calls,
     _training_op_overhead,
     measure_runtime_overheads,
@@ -152,10 +153,6 @@ def exit_without_finalization(code: int = 0) -> NoReturn:
         except (OSError, ValueError):  # a closed or broken stream has nothing left to flush
             pass
     os._exit(code)
-
-
-def _sync_fn(device: torch.device) -> Callable[[], None]:
-    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
 
 def time_collective(

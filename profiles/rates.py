@@ -10,14 +10,14 @@ from typing import Any
 
 import torch
 
-from autopar.profiles.eager import _time_calls
+from autopar.profiles.eager import _sync_fn, _time_calls
 
 __all__ = ["VECTOR_OPS", "attention_curve", "time_matmul", "vector_rate"]
 
 
 def time_matmul(n: int, dtype: torch.dtype, device: torch.device, repeats: int, budget_s: float = 0.05) -> float:
     """Median seconds of one ``[n,n] @ [n,n]`` matmul (calls batched to at least ``budget_s``)."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = _sync_fn(device)
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     torch.matmul(a, b)
