@@ -427,7 +427,8 @@ def time_concurrent(processes: int, *, iters: int = 3000, threads: int = 1) -> f
 def oversubscribed(profile: ClusterProfile, slowdown: float, *, note: str = "") -> ClusterProfile:
     """``profile`` with every device time (arithmetic, memory traffic, per-op overhead) ``slowdown`` times longer:
     the device of a node whose ranks share fewer cores than they need (e.g. a 2-rank CPU profile carried to 4 ranks
-    on the same 2 cores, ``slowdown = time_concurrent(4) / time_concurrent(2)``).  Links are left as they are."""
+    on the same 2 cores, ``slowdown = time_concurrent(4) / time_concurrent(2)``), all of them computing at once, and
+    ``shared_cores = devices_per_node / slowdown`` (what fewer ranks computing get).  Links are left as they are."""
     if not slowdown > 0:
         raise ValueError(f"slowdown must be positive, got {slowdown}")
     import dataclasses
@@ -435,12 +436,13 @@ def oversubscribed(profile: ClusterProfile, slowdown: float, *, note: str = "") 
     dev = profile.device
     tag = note or f"time-sliced x{slowdown:.3g}"
     sources = dict(dev.sources)
+    sources["shared_cores"] = f"{profile.devices_per_node} ranks / {tag}"
     for k in ("peak_flops", "vector_flops", "memory_bandwidth", "launch_overhead_s"):
         sources[k] = f"{sources.get(k, '')}; {tag}".lstrip("; ")
     device = dataclasses.replace(
         dev, peak_flops={k: v / slowdown for k, v in dev.peak_flops.items()},
         vector_flops=None if dev.vector_flops is None else dev.vector_flops / slowdown,
         memory_bandwidth=dev.memory_bandwidth / slowdown, launch_overhead_s=dev.launch_overhead_s * slowdown,
-        sources=sources)
+        shared_cores=profile.devices_per_node / slowdown, sources=sources)
     return dataclasses.replace(profile, device=device)
 

@@ -441,6 +441,10 @@ def _measure(opts: ProfileOptions) -> tuple[ClusterProfile, dict[str, Any]]:
             # one-rank one: on gloo a stage waits for each micro-batch's activation and gradient
             dev["runtime_overhead"]["pipeline_microbatch"] = data["pipeline_microbatch_s"] / dev["launch_overhead_s"]
             dev["sources"]["runtime_overhead"] += "; pipeline_microbatch: a two-rank 1F1B schedule with its sends"
+        cores = (os.cpu_count() or 1) / data["threads"]
+        if opts.ranks > cores:  # the rates above are those of all ranks at once, time-slicing the cores
+            dev["shared_cores"] = cores
+            dev["sources"]["shared_cores"] = f"{os.cpu_count()} cores / {data['threads']} threads per rank"
     links: dict[str, Any] = {}
     if data["links"] is not None:
         links["intra_node"] = data["links"]["tables"]

@@ -27,7 +27,6 @@ YAML files are validated on load; any problem raises :class:`ProfileError` namin
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -42,6 +41,7 @@ from autopar.profiles.validate import (
     _int,
     _join,
     _keys,
+    _Loader,
     _mapping,
     _num,
     _str,
@@ -148,6 +148,11 @@ class DeviceProfile:
     causal_attention_efficiency: tuple[SeqEfficiencyPoint, ...] = ()
     """Forward + backward efficiency of causal flash attention against sequence length, sorted by ``seq``; empty:
     causal attention is costed through the matmul table at half its FLOPs."""
+    shared_cores: float | None = None
+    """A CPU node with more ranks than cores: the cores' worth of compute its ``devices_per_node`` ranks time-slice
+    (``autopar profile``: cpu_count over threads per rank). The rates here are then those of every rank running at
+    once, and ranks that compute while others wait (a pipeline's fill and drain) get the cores those leave
+    (:mod:`autopar.planner.inter_op.schedule`). None: each rank has a device of its own."""
     overlap_slowdown: float = 0.0
     """Compute seconds lost per second of communication overlapped with it, in [0, 1]: collective kernels take SMs
     and HBM bandwidth from the compute kernels they run beside (Galvatron's overlap coefficient, Miao et al.,
@@ -326,7 +331,7 @@ def _device(v: Any, path: str) -> DeviceProfile:
     req = {"name", "memory_bytes", "peak_flops", "matmul_efficiency", "memory_bandwidth", "launch_overhead_s"}
     _keys(d, path, req, {"vector_flops", "sustained_fraction", "overlap_slowdown", "causal_attention_efficiency",
                          "sharded_op_overhead", "dtensor_op_overhead", "op_overhead", "runtime_overhead",
-                         "sources"})
+                         "shared_cores", "sources"})
     pf_path = _join(path, "peak_flops")
     peak = {_dtype(k, f"{pf_path}.{k}"): _num(x, f"{pf_path}.{k}") for k, x in _mapping(d["peak_flops"], pf_path).items()}
     if not peak:
@@ -357,6 +362,7 @@ def _device(v: Any, path: str) -> DeviceProfile:
         vector_flops=None if vf is None else _num(vf, _join(path, "vector_flops")),
         sustained_fraction=sf,
         overlap_slowdown=slow,
+        shared_cores=None if d.get("shared_cores") is None else _num(d["shared_cores"], _join(path, "shared_cores")),
         sharded_op_overhead=_num(d.get("sharded_op_overhead", 1.0), _join(path, "sharded_op_overhead")),
         op_overhead=_op_overhead(d.get("op_overhead", {}), _join(path, "op_overhead")),
         dtensor_op_overhead=_op_overhead(d.get("dtensor_op_overhead", {}), _join(path, "dtensor_op_overhead")),
@@ -416,8 +422,9 @@ def profile_to_dict(profile: ClusterProfile) -> dict[str, Any]:
         "memory_bandwidth": dev.memory_bandwidth,
         "launch_overhead_s": dev.launch_overhead_s,
     }
-    if dev.vector_flops is not None:
-        device["vector_flops"] = dev.vector_flops
+    for key in ("vector_flops", "shared_cores"):
+        if getattr(dev, key) is not None:
+            device[key] = getattr(dev, key)
     for key, default in (("sustained_fraction", 1.0), ("overlap_slowdown", 0.0), ("sharded_op_overhead", 1.0)):
         if getattr(dev, key) != default:
             device[key] = getattr(dev, key)
@@ -445,18 +452,6 @@ def profile_to_dict(profile: ClusterProfile) -> dict[str, Any]:
         "device": device,
         "links": links,
     }
-
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads YAML 1.2 floats such as ``2.3e11`` (PyYAML's 1.1 rules read them as strings)."""
-
-
-_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(
-        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
-        |[-+]?\.(?:inf|Inf|INF)
-        |\.(?:nan|NaN|NAN))$""", re.X), list("-+0123456789."))
 
 
 def loads_profile(text: str, *, origin: str = "<string>") -> ClusterProfile:

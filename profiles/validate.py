@@ -1,17 +1,32 @@
 """Validation primitives of the profile loaders (``profiles.schema``): typed reads of YAML values that fail with the
-offending field path."""
+offending field path, and the YAML loader they read."""
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
+
+import yaml
 
 from autopar.ir.limits import clip
 
 
 class ProfileError(ValueError):
     """A cluster profile is invalid; the message starts with the offending field path."""
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads YAML 1.2 floats such as ``2.3e11`` (PyYAML's 1.1 rules read them as strings)."""
+
+
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""", re.X), list("-+0123456789."))
 
 
 

@@ -32,7 +32,7 @@ from autopar.planner.inter_op.dpcomm import DpComm
 from autopar.planner.inter_op.expert import rank_expert_elems
 from autopar.planner.inter_op.memory import memory_breakdown, model_state_bytes
 from autopar.planner.inter_op.partition import partition_stages, rank_chunks
-from autopar.planner.inter_op.schedule import ScheduleResult, simulate
+from autopar.planner.inter_op.schedule import ScheduleResult, SharedCores, simulate
 from autopar.planner.inter_op.screen import (
     Candidate,
     LayerTable,
@@ -129,6 +129,26 @@ def _step_syncs(comms: list[DpComm], tc: Sequence[tuple[LayerTable, CostModel]],
     return out
 
 
+def _shared_cores(profile: ClusterProfile, c: Candidate, chunks: Sequence[tuple[int, int]],
+                  table: LayerTable) -> SharedCores | None:
+    """The schedule's shared cores where a CPU profile's ranks outnumber its cores (``device.shared_cores``): each
+    pipeline rank's group of ``dp x cp x tp`` ranks, pipeline-outermost as the runtime lays the mesh out, on the nodes
+    it spans; its tensor-parallel collectives are the part of a stage's op that sharing does not speed up."""
+    cores, dpn = profile.device.shared_cores, profile.devices_per_node
+    if cores is None or dpn <= cores or c.pp == 1:
+        return None
+    g = c.dp * c.cp * c.tp
+    spans = []
+    for r in range(c.pp):
+        nodes: dict[int, int] = {}
+        for rank in range(r * g, (r + 1) * g):
+            nodes[rank // dpn] = nodes.get(rank // dpn, 0) + 1
+        spans.append(tuple(nodes.items()))
+    return SharedCores(cores=cores, ranks_per_node=dpn, stage_ranks=tuple(spans),
+                       comm_fwd=tuple(sum(x.fwd_comm_s for x in table.solutions[a:b]) for a, b in chunks),
+                       comm_bwd=tuple(sum(x.bwd_comm_s for x in table.solutions[a:b]) for a, b in chunks))
+
+
 def evaluate_stages(table: LayerTable, s: Screened, cost: CostModel, options: PlanOptions,
                     chunks: Sequence[tuple[int, int]], p2p_intra: bool,
                     per_rank: Sequence[tuple[LayerTable, CostModel]] = (), p2p_s: Sequence[float] = ()
@@ -179,9 +199,10 @@ def evaluate_stages(table: LayerTable, s: Screened, cost: CostModel, options: Pl
                              tensors=tensors if options.dp_collectives == "tensor" else 0, param_tensors=tensors))
         opt = max(opt, optimizer_time(cost, params=params, tensors=tensors, zero=c.zero, dp=c.grad_dp, tp=c.tp))
     comms = _step_syncs(comms, tc, c)
+    shared = None if per_rank else _shared_cores(cost.profile, c, chunks, tc[0][0])
     sim = simulate(fwd, bwd, pp=pp, num_microbatches=c.num_microbatches, schedule=c.schedule,  # type: ignore[arg-type]
                    virtual_stages=c.virtual_stages, p2p=p2p if p2p else 0.0, optimizer_s=opt,
-                   with_events=False)
+                   with_events=False, shared=shared)
     # data-parallel communication (exposed part and overlap contention) lengthens each rank's iteration
     extra = [x.total_s for x in comms]
     if any(extra):

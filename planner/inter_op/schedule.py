@@ -22,6 +22,11 @@ Pure function of plain numbers, no I/O. The model:
   window is their total duration), and the exposed part ``max(0, dp_sync[r] - window)`` is added after the rank's
   last op. The optimizer step ``optimizer_s`` starts when every rank is done (a global barrier, as gradient-norm
   clipping across stages needs) and ends the iteration.
+- Shared cores (:class:`SharedCores`, CPU nodes running more ranks than they have cores): the op times are those of
+  every rank of a node computing at once. While fewer compute (the others wait for a dependency: a pipeline's fill
+  and drain, GPipe's turn between forwards and backwards), the cores are shared among those that do (processor
+  sharing), so an op's compute part runs ``max(1, ranks / cores) / max(1, running / cores)`` times faster; its
+  communication part (tensor-parallel collectives) does not.
 
 Definitions of the outputs:
 
@@ -51,6 +56,7 @@ from autopar.ir.placement import Schedule
 __all__ = [
     "SCHEDULES",
     "OpEvent",
+    "SharedCores",
     "ScheduleResult",
     "chrome_trace",
     "peak_in_flight",
@@ -118,6 +124,33 @@ class ScheduleResult:
     """Per rank: end of its last op plus exposed sync (before the optimizer step)."""
     events: tuple[OpEvent, ...]
     """Every op, sorted by (rank, start); empty when simulated with ``with_events=False``."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class SharedCores:
+    """Pipeline ranks whose processes time-slice the cores of CPU nodes (see the module docstring)."""
+
+    cores: float
+    """Cores' worth of compute of each node (:attr:`autopar.profiles.schema.DeviceProfile.shared_cores`)."""
+    ranks_per_node: int
+    """Ranks of each node: the op times are those of all of them computing at once."""
+    stage_ranks: tuple[tuple[tuple[int, int], ...], ...]
+    """Per pipeline rank: ``(node, processes)`` of its group (its dp x cp x tp ranks) on each node it spans."""
+    comm_fwd: tuple[float, ...] = ()
+    """Per virtual stage: seconds of a forward op that are communication, not sped up (empty: none)."""
+    comm_bwd: tuple[float, ...] = ()
+    """The same for a backward op."""
+
+    def speeds(self, running: Sequence[bool]) -> list[float]:
+        """Per pipeline rank: how many times faster than the op times its compute runs while ``running`` compute."""
+        load: dict[int, int] = {}
+        for r, on in enumerate(running):
+            if on:
+                for node, n in self.stage_ranks[r]:
+                    load[node] = load.get(node, 0) + n
+        full = max(1.0, self.ranks_per_node / self.cores)
+        return [min(full / max(1.0, load.get(node, 0) / self.cores) for node, _ in self.stage_ranks[r])
+                for r in range(len(running))]
 
 
 def _check(pp: int, m: int, v: int, schedule: str) -> None:
@@ -191,18 +224,7 @@ def _run(orders: list[list[Op]], fwd: list[float], bwd: list[float], p2p: list[f
     n = len(fwd)
     m = 1 + max((mb for o in orders for _, mb, _ in o), default=0)
     f_end, b_end = [-1.0] * (m * n), [-1.0] * (m * n)
-    # per op: (forward?, its slot, its duration, the slot it waits for (-1: none), that transfer's time)
-    progs = []
-    for r, order in enumerate(orders):
-        prog = []
-        for kind, mb, c in order:
-            k = c * pp + r
-            i = mb * n + k
-            if kind == "F":
-                prog.append((True, i, fwd[k], i - 1 if k else -1, p2p[k - 1] if k else 0.0))
-            else:
-                prog.append((False, i, bwd[k], i + 1 if k < n - 1 else -1, p2p[k] if k < n - 1 else 0.0))
-        progs.append(prog)
+    progs = _program(orders, fwd, bwd, p2p, pp)
     starts: list[list[float]] = [[] for _ in range(pp)]
     ends: list[list[float]] = [[] for _ in range(pp)]
     free = [0.0] * pp
@@ -214,7 +236,7 @@ def _run(orders: list[list[Op]], fwd: list[float], bwd: list[float], p2p: list[f
             prog, p, t = progs[r], pos[r], free[r]
             st, en = starts[r], ends[r]
             while p < len(prog):
-                is_f, i, dur, dep, lat = prog[p]
+                is_f, i, dur, dep, lat, _ = prog[p]
                 start = t
                 if is_f:
                     if dep >= 0:
@@ -252,6 +274,91 @@ def _run(orders: list[list[Op]], fwd: list[float], bwd: list[float], p2p: list[f
     return starts, ends
 
 
+def _program(orders: list[list[Op]], fwd: list[float], bwd: list[float], p2p: list[float], pp: int,
+             comm_f: Sequence[float] = (), comm_b: Sequence[float] = ()) -> list[list[tuple]]:
+    """Per rank, per op: (forward?, its slot, its duration, the slot it waits for (-1: none), that transfer's time,
+    the communication part of its duration); a slot is ``micro-batch * K + virtual stage``."""
+    n = len(fwd)
+    progs = []
+    for r, order in enumerate(orders):
+        prog = []
+        for kind, mb, c in order:
+            k = c * pp + r
+            i = mb * n + k
+            if kind == "F":
+                prog.append((True, i, fwd[k], i - 1 if k else -1, p2p[k - 1] if k else 0.0,
+                             comm_f[k] if comm_f else 0.0))
+            else:
+                prog.append((False, i, bwd[k], i + 1 if k < n - 1 else -1, p2p[k] if k < n - 1 else 0.0,
+                             comm_b[k] if comm_b else 0.0))
+        progs.append(prog)
+    return progs
+
+
+def _run_shared(orders: list[list[Op]], fwd: list[float], bwd: list[float], p2p: list[float], pp: int,
+                shared: SharedCores) -> tuple[list[list[float]], list[list[float]]]:
+    """:func:`_run` on shared cores: time advances from event to event (an op ends, a waiting op's input arrives),
+    and in between every running op progresses at its rank's speed (:meth:`SharedCores.speeds`)."""
+    n = len(fwd)
+    m = 1 + max((mb for o in orders for _, mb, _ in o), default=0)
+    f_end, b_end = [-1.0] * (m * n), [-1.0] * (m * n)
+    progs = _program(orders, fwd, bwd, p2p, pp, shared.comm_fwd, shared.comm_bwd)
+    starts: list[list[float]] = [[] for _ in range(pp)]
+    ends: list[list[float]] = [[] for _ in range(pp)]
+    pos, left, running = [0] * pp, [0.0] * pp, [False] * pp
+    t, remaining = 0.0, sum(len(o) for o in orders)
+
+    def ready(op: tuple) -> float | None:  # when the op's inputs are in (None: its dependency has not run)
+        is_f, i, _, dep, lat, _ = op
+        at = 0.0
+        if not is_f:
+            at = f_end[i]
+            if at < 0.0:
+                return None
+        if dep >= 0:
+            d = (f_end if is_f else b_end)[dep]
+            if d < 0.0:
+                return None
+            at = max(at, d + lat)
+        return at
+
+    while remaining:
+        arrival = math.inf
+        for r in range(pp):
+            if running[r] or pos[r] == len(progs[r]):
+                continue
+            at = ready(progs[r][pos[r]])
+            if at is not None and at <= t:
+                running[r], left[r] = True, progs[r][pos[r]][2]
+                starts[r].append(t)
+            elif at is not None:
+                arrival = min(arrival, at)
+        speed = shared.speeds(running)
+        rates, finish = [0.0] * pp, math.inf
+        for r in range(pp):
+            if running[r]:
+                dur, comm = progs[r][pos[r]][2], progs[r][pos[r]][5]
+                wall = (dur - comm) / speed[r] + comm
+                rates[r] = dur / wall if wall > 0 else 1.0
+                finish = min(finish, left[r] / rates[r])
+        assert finish < math.inf or arrival < math.inf, "pipeline schedule deadlocked: inconsistent per-rank orders"
+        step = finish if t + finish <= arrival else arrival - t
+        now = t + step if step == finish else arrival
+        for r in range(pp):
+            if not running[r]:
+                continue
+            if step == finish and left[r] / rates[r] <= finish * (1 + 1e-12):
+                is_f, i = progs[r][pos[r]][:2]
+                (f_end if is_f else b_end)[i] = now
+                ends[r].append(now)
+                running[r], pos[r] = False, pos[r] + 1
+                remaining -= 1
+            else:
+                left[r] -= rates[r] * step
+        t = now
+    return starts, ends
+
+
 def peak_in_flight(order: Sequence[Op], weights: Sequence[float] | None = None) -> float:
     """Peak of (forwards started - backwards finished) over a rank's op order.
 
@@ -271,13 +378,15 @@ def peak_in_flight(order: Sequence[Op], weights: Sequence[float] | None = None) 
 def simulate(fwd: Sequence[float], bwd: Sequence[float], *, pp: int, num_microbatches: int,
              schedule: Schedule = "1f1b", virtual_stages: int = 1, p2p: float | Sequence[float] = 0.0,
              dp_sync: float | Sequence[float] = 0.0, optimizer_s: float = 0.0,
-             with_events: bool = True) -> ScheduleResult:
+             with_events: bool = True, shared: SharedCores | None = None) -> ScheduleResult:
     """Simulate one iteration.
 
     ``fwd[k]``/``bwd[k]``: time of one micro-batch on virtual stage ``k`` (``pp * virtual_stages`` entries).
     ``p2p[k]``: transfer time between virtual stages ``k`` and ``k+1`` (``pp * v - 1`` entries, or one number).
     ``dp_sync[r]``: gradient-sync time of rank ``r`` (or one number for all).
     ``with_events=False`` leaves ``events`` empty (the search needs only the totals: it saves a third of the time).
+    ``shared``: the ranks time-slice CPU cores (see the module docstring); None, or no more ranks than cores: each
+    rank computes on its own device.
     """
     v, m = virtual_stages, num_microbatches
     _check(pp, m, v, schedule)
@@ -290,7 +399,10 @@ def simulate(fwd: Sequence[float], bwd: Sequence[float], *, pp: int, num_microba
     if optimizer_s < 0:
         raise ValueError(f"optimizer_s must be >= 0, got {optimizer_s}")
     orders = [rank_order(schedule, rank=r, pp=pp, num_microbatches=m, virtual_stages=v) for r in range(pp)]
-    starts, ends = _run(orders, fw, bw, links, pp)
+    if shared is not None and shared.ranks_per_node > shared.cores and pp > 1:
+        starts, ends = _run_shared(orders, fw, bw, links, pp, shared)
+    else:
+        starts, ends = _run(orders, fw, bw, links, pp)
     events = tuple(OpEvent(rank=r, kind=op[0], microbatch=op[1], chunk=op[2], stage=op[2] * pp + r, start=s, end=e)
                    for r in range(pp) for op, s, e in zip(orders[r], starts[r], ends[r])) if with_events else ()
     busy = tuple(sum(e - s for s, e in zip(starts[r], ends[r])) for r in range(pp))

@@ -8,7 +8,7 @@ from collections import defaultdict, deque
 
 import pytest
 
-from autopar.planner.inter_op.schedule import chrome_trace, peak_in_flight, rank_order, simulate
+from autopar.planner.inter_op.schedule import SharedCores, chrome_trace, peak_in_flight, rank_order, simulate
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -181,3 +181,57 @@ def test_chrome_trace(schedule: str, v: int, m: int) -> None:
     assert any(e["name"] == "optimizer step" for e in trace["traceEvents"])
     with pytest.raises(ValueError, match="stage_names"):
         chrome_trace(res, stage_names=["x"])
+
+
+def _two_stages_on_two_cores(**kw: tuple[float, ...]) -> SharedCores:
+    """pp=2, each stage a group of 2 ranks, all 4 on one node of 2 cores (op times: all 4 computing)."""
+    return SharedCores(cores=2.0, ranks_per_node=4, stage_ranks=(((0, 2),), ((0, 2),)), **kw)
+
+
+def test_shared_cores_one_stage_alone_runs_at_the_cores_it_is_left() -> None:
+    # one micro-batch: the stages never compute at once, so every op runs twice as fast as its all-ranks time
+    r = simulate([1.0, 1.5], [2.0, 3.0], pp=2, num_microbatches=1, schedule="gpipe", shared=_two_stages_on_two_cores())
+    ends = {(e.rank, e.kind): (e.start, e.end) for e in r.events}
+    assert ends[(0, "F")] == pytest.approx((0.0, 0.5))
+    assert ends[(1, "F")] == pytest.approx((0.5, 1.25))
+    assert ends[(1, "B")] == pytest.approx((1.25, 2.75))
+    assert ends[(0, "B")] == pytest.approx((2.75, 3.75))
+    assert r.pipeline_s == pytest.approx(3.75)
+
+
+def test_shared_cores_overlapping_stages_and_communication_get_no_speedup() -> None:
+    plain = simulate([1.0, 1.0], [2.0, 2.0], pp=2, num_microbatches=4, schedule="gpipe")
+    shared = simulate([1.0, 1.0], [2.0, 2.0], pp=2, num_microbatches=4, schedule="gpipe",
+                      shared=_two_stages_on_two_cores())
+    # alone at twice the speed: the fill (stage 0's first forward), GPipe's turn (stage 1's last forward and first
+    # backward) and the drain (stage 0's last backward); the rest overlaps
+    assert plain.pipeline_s == pytest.approx(15.0)
+    assert shared.pipeline_s == pytest.approx(15.0 - 0.5 - (0.5 + 1.0) - 1.0)
+    # ops that are all communication are not sped up: the plain timeline again
+    comm = simulate([1.0, 1.0], [2.0, 2.0], pp=2, num_microbatches=4, schedule="gpipe",
+                    shared=_two_stages_on_two_cores(comm_fwd=(1.0, 1.0), comm_bwd=(2.0, 2.0)))
+    assert comm.pipeline_s == pytest.approx(plain.pipeline_s)
+    # no more ranks than cores: the shared model is not used at all
+    roomy = SharedCores(cores=4.0, ranks_per_node=4, stage_ranks=(((0, 2),), ((0, 2),)))
+    again = simulate([1.0, 1.0], [2.0, 2.0], pp=2, num_microbatches=4, schedule="gpipe", shared=roomy)
+    assert again.events == plain.events
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_shared_cores_never_slower_and_at_most_the_full_speedup(seed: int) -> None:
+    rng = random.Random(seed)
+    pp = rng.choice([2, 3, 4])
+    schedule = rng.choice(["gpipe", "1f1b"])
+    m = rng.randint(1, 6)
+    fwd, bwd = [rng.uniform(0.1, 2) for _ in range(pp)], [rng.uniform(0.1, 3) for _ in range(pp)]
+    p2p = [rng.uniform(0, 0.3) for _ in range(pp - 1)]
+    plain = simulate(fwd, bwd, pp=pp, num_microbatches=m, schedule=schedule, p2p=p2p)  # type: ignore[arg-type]
+    sh = SharedCores(cores=1.0, ranks_per_node=pp, stage_ranks=tuple(((0, 1),) for _ in range(pp)))
+    shared = simulate(fwd, bwd, pp=pp, num_microbatches=m, schedule=schedule, p2p=p2p,  # type: ignore[arg-type]
+                      shared=sh)
+    assert shared.pipeline_s <= plain.pipeline_s + 1e-9
+    # each op takes between its all-ranks time over pp (alone on the node) and its all-ranks time
+    for e, f in zip(shared.events, plain.events):
+        d = (fwd if e.kind == "F" else bwd)[e.stage]
+        assert d / pp - 1e-9 <= e.end - e.start <= d + 1e-9
+        assert (e.rank, e.kind, e.microbatch) == (f.rank, f.kind, f.microbatch)
