@@ -8,7 +8,8 @@ Time is reported as
     total = compute + exposed communication + bubble + optimizer step
 
 for the critical (busiest) pipeline rank, with tensor-parallel collectives counted as exposed communication (they
-sit on the critical path of every layer) and data-parallel sync only where it outlasts the last backward.
+sit on the critical path of every layer), data-parallel sync only where it outlasts the last backward, and the step's
+loss all-reduce over every rank.
 """
 
 from __future__ import annotations
@@ -108,9 +109,7 @@ def _step_syncs(comms: list[DpComm], tc: Sequence[tuple[LayerTable, CostModel]],
     (embeddings; Megatron-LM's embedding group does the same), which the runtime runs after every backward pass
     (``codegen.runtime.program._sync_grads``), added to those two ranks.
 
-    The step's loss all-reduce (one number over every rank, ``_reduce_loss``) is left out: it is pure latency, on
-    GPUs microseconds against seconds, and a CPU profile's small-message latency measured with more ranks than cores
-    (4 on 2) charged it 20 ms where the whole measured collective time of such steps was 2-8 ms."""
+    The step's loss all-reduce (one number over every rank, ``_reduce_loss``) is :func:`_loss_sync`."""
     pp = c.pp
     out = list(comms)
     (table, cost) = tc[0]
@@ -127,6 +126,19 @@ def _step_syncs(comms: list[DpComm], tc: Sequence[tuple[LayerTable, CostModel]],
         for r in (0, pp - 1):
             out[r] = replace(out[r], exposed_s=out[r].exposed_s + tie, collective_s=out[r].collective_s + tie)
     return out
+
+
+def _loss_sync(cost: CostModel, world: int) -> float:
+    """The step's loss all-reduce: one float over every rank, after the last backward and the gradient sync and
+    before the optimizer step (``codegen.runtime.program._reduce_loss``), so a global synchronization of its own.
+    Pure latency: tens of microseconds on GPUs, against steps of seconds; with CPU ranks that time-slice their cores
+    it is milliseconds (every rank must be scheduled), which the measured steps show as time after the last rank's
+    work."""
+    if world <= 1:
+        return 0.0
+    s, prof = cost.span(world), cost.profile
+    span = GroupSpan(devices_per_node=min(s.devices_per_node, prof.devices_per_node), nodes=min(s.nodes, prof.nodes))
+    return cost.collective_time("all_reduce", DTYPE_BYTES["float32"], span=span)
 
 
 def _shared_cores(profile: ClusterProfile, c: Candidate, chunks: Sequence[tuple[int, int]],
@@ -203,8 +215,10 @@ def evaluate_stages(table: LayerTable, s: Screened, cost: CostModel, options: Pl
     sim = simulate(fwd, bwd, pp=pp, num_microbatches=c.num_microbatches, schedule=c.schedule,  # type: ignore[arg-type]
                    virtual_stages=c.virtual_stages, p2p=p2p if p2p else 0.0, optimizer_s=opt,
                    with_events=False, shared=shared)
-    # data-parallel communication (exposed part and overlap contention) lengthens each rank's iteration
-    extra = [x.total_s for x in comms]
+    # data-parallel communication (exposed part and overlap contention) lengthens each rank's iteration, and every
+    # rank waits for the loss all-reduce
+    loss = _loss_sync(cost, pp * c.dp * c.cp * c.tp)
+    extra = [x.total_s + loss for x in comms]
     if any(extra):
         ends = tuple(e + x for e, x in zip(sim.rank_end_s, extra))
         exposed = tuple(e + x.exposed_s for e, x in zip(sim.exposed_sync_s, comms))

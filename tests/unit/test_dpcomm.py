@@ -190,3 +190,24 @@ def test_mixed_precision_policy_from_plan(monkeypatch: pytest.MonkeyPatch) -> No
     dpm.apply_fsdp([stage], [blocks], None, 3, policy=pol)  # type: ignore[arg-type]
     assert [m for m, _ in calls] == [*blocks, stage]
     assert all(kw["mp_policy"] is pol and kw["reshard_after_forward"] for _, kw in calls)
+
+
+def test_the_steps_loss_all_reduce_is_charged_once_over_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runtime all-reduces the loss over the whole world every step (``_reduce_loss``): a plan's exposed
+    communication holds one one-float all-reduce over every rank, and a one-rank plan none."""
+    from test_calibrate import _graph, cpu_like
+
+    from autopar.planner.inter_op import evaluate
+    from autopar.planner.options import PlanOptions
+    from autopar.planner.search import search
+
+    g, prof = _graph("gpt-tiny"), cpu_like(4)
+    opts = PlanOptions(global_batch=8, dtype="float32", top_k=0, pins={"pp": 2, "dp": 2, "tp": 1}, workers=1)
+    charged = search(g, prof, opts).best.time
+    monkeypatch.setattr(evaluate, "_loss_sync", lambda cost, world: 0.0)
+    free = search(g, prof, opts).best.time
+    want = CostModel(prof).collective_time("all_reduce", 4, group_size=4)
+    assert charged.exposed_comm - free.exposed_comm == pytest.approx(want)
+    assert charged.total - free.total == pytest.approx(want)
+    monkeypatch.undo()
+    assert evaluate._loss_sync(CostModel(prof), 1) == 0.0
