@@ -123,7 +123,8 @@ def test_shared_cores_speed_up_a_pipelines_lone_stages_only() -> None:
     assert "shared_cores" not in profile_to_dict(uniform)["device"]
     g = _graph("gpt-tiny")
     for pins, faster in (({"pp": 2, "dp": 2, "tp": 1}, True), ({"pp": 1, "dp": 2, "tp": 2}, False)):
-        opts = PlanOptions(global_batch=8, dtype="float32", top_k=0, pins={**pins, "micro_batch": 2, "schedule": "gpipe"}, workers=1)
+        opts = PlanOptions(global_batch=8, dtype="float32", top_k=0, workers=1,
+                           pins={**pins, "micro_batch": 2, "schedule": "gpipe"})
         plan = search(g, uniform, opts).best
         a, b = predict(g, uniform, plan).time, predict(g, sliced, plan).time
         if faster:  # the bubble and the busiest rank's compute both shrink; the rest of the step does not
