@@ -192,14 +192,20 @@ def plan_graph(plan: Plan, model: str, seq: int | None) -> Graph:
 
 
 def calibrate(base: ClusterProfile, runs: Sequence[tuple[Plan, Graph, RunMeasurement]], *,
-              names: Sequence[str] | None = None, prior: float = 1e-3) -> FitResult:
+              names: Sequence[str] | None = None, prior: float = 2e-2) -> FitResult:
     """Fit ``base``'s factors to the runs (see the module docstring); ``names`` defaults to :data:`FIT_FACTORS`
     (``overlap`` where the schema has it) plus ``link.alpha``/``link.beta`` when the plans communicate: one latency
     and one bandwidth correction for every collective, so that collectives the fitted plans do not run (a ZeRO
     plan's gathers) inherit what the measured ones show about this machine's links.  A pipeline's p2p keeps the
     profile's own measurement: a collective's fitted latency also holds the wait for the slowest rank, which a
     pipeline's schedule costs as its bubble.  Of the default names, only those the runs determine are fitted
-    (:data:`DETERMINED`); the others stay 1."""
+    (:data:`DETERMINED`); the others stay 1.
+
+    ``prior`` weighs ``sum (log k)^2`` against the squared relative residuals: ``(s_r / s_k)^2`` with ``s_r`` ~ 0.1,
+    the run-to-run spread of a measured step on a shared machine, and ``s_k`` ~ ln 2, a factor of two as how far a
+    measured coefficient may be from its in-situ value.  Factors the runs cannot tell apart (a step's compute matched
+    by slower matmuls or by slower memory) then share the correction instead of one going to x0.3 and another to
+    x10 (on this 2-core VM, 1e-3 fitted matmul x0.29-0.44 and link beta x11-13 in some runs)."""
     if not runs:
         raise ValueError("calibrate needs at least one measured run")
     screen = names is None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from test_calibrate import _graph, _synthetic_run, cpu_like  # the calibration tests' synthetic profile and runs
+from test_calibrate import NOISE_FREE, _graph, _synthetic_run, cpu_like  # the calibration tests' synthetic profile and runs
 
 from autopar.planner.calibrate import calibrate, predict
 from autopar.planner.options import PlanOptions
@@ -117,7 +117,7 @@ def test_calibrate_fits_fsdp_factor_only_with_an_fsdp_run() -> None:
     for p in pins:
         pl = plan(base, **p)  # type: ignore[arg-type]
         runs.append((pl, graph, _synthetic_run(pl, predict(graph, truth, pl))))
-    fit = calibrate(base, runs, names=["overhead", "fsdp"])
+    fit = calibrate(base, runs, names=["overhead", "fsdp"], prior=NOISE_FREE)
     assert fit.factors["fsdp"] == pytest.approx(3.0, rel=0.05)
     assert fit.factors["overhead"] == pytest.approx(1.5, rel=0.05)
     assert "fsdp" in calibrate(base, runs).factors
