@@ -43,7 +43,6 @@ from autopar.profiles import (
 from autopar.profiles.refit import OVERLAP_FIELD, apply_factors, factor_names, fit_factors, provenance
 from autopar.zoo import build
 
-
 NOISE_FREE = 1e-3
 """The prior of a fit to synthetic runs, which carry no measurement noise: the data alone determine the factors
 (the default prior, for measured runs, pulls factors the data move by little back toward the base profile)."""

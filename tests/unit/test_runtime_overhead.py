@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from test_calibrate import NOISE_FREE, _graph, _synthetic_run, cpu_like  # the calibration tests' synthetic profile and runs
+from test_calibrate import NOISE_FREE, _graph, _synthetic_run, cpu_like  # the calibration tests' synthetic runs
 
 from autopar.planner.calibrate import calibrate, predict
 from autopar.planner.options import PlanOptions
