@@ -4,8 +4,10 @@ ZeRO levels map onto FSDP2 as follows.  FSDP2 always shards parameters, gradient
 (Rajbhandari et al. 2020, "ZeRO", stage 3 layout); levels 1 and 2 differ from 3 only in that parameters stay
 gathered between forward and backward (``reshard_after_forward=False``), so the backward all-gather is skipped as
 in ZeRO-1/2's communication pattern, while the memory of parameters is that of the gathered copy during a step.
-Level 0 keeps full replicas and averages gradients with one flattened all-reduce per step (the same collective a
-DDP bucket issues; DDP itself does not accept DTensor parameters, hence the explicit sync).
+Level 0 keeps full replicas and averages gradients as DDP does (DDP itself does not accept DTensor parameters, hence
+:class:`GradSync`): one flattened all-reduce per unit (layer group), issued asynchronously as soon as the unit's
+gradients are final, during the last micro-batch's backward, so it overlaps the backward of the units before it;
+the step waits for them at its end.  This is the program ``planner.inter_op.dpcomm`` costs for ZeRO 0.
 
 Precision (:func:`mp_policy`): parameters, gradients and optimizer state stay fp32 (sharded); for a half-precision
 plan FSDP2 casts the gathered parameters to the plan's dtype (``param_dtype``), so all-gathers move 2 bytes per
@@ -15,7 +17,9 @@ default).  This is the program the cost and memory models describe (``planner.in
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -24,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-__all__ = ["apply_fsdp", "mp_policy", "allreduce_grads", "local_grad", "fix_grad_placements"]
+__all__ = ["GradSync", "apply_fsdp", "mp_policy", "allreduce_grads", "local_grad", "fix_grad_placements"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -92,3 +96,95 @@ def allreduce_grads(params: list[nn.Parameter], group: dist.ProcessGroup, *, ave
         n = g.numel()
         g.copy_(flat[off:off + n].view_as(g))
         off += n
+
+
+class GradSync:
+    """ZeRO 0's gradient all-reduce over ``group``, one bucket per unit, overlapped with the backward (see the module
+    docstring).  A post-accumulate-grad hook counts each parameter's accumulations while :attr:`active` (the
+    program's step); at the ``microbatches``-th one the parameter is final, and a unit whose parameters are all final
+    is flattened and all-reduced asynchronously.  Replicas run the same backward, so they issue the buckets in the
+    same order.  :meth:`finish` issues what is left (parameters without a gradient this step), waits, and writes the
+    averaged values back.  A parameter accumulated more often than expected (used by two of the rank's chunks) makes
+    the step fall back to one synchronous all-reduce of everything, as before."""
+
+    def __init__(self, units: list[list[nn.Parameter]], group: dist.ProcessGroup, microbatches: int,
+                 later_scale: int = 1) -> None:
+        seen: set[int] = set()
+        self.units: list[list[nn.Parameter]] = []
+        for unit in units:
+            mine = [p for p in unit if p.requires_grad and id(p) not in seen]
+            seen.update(id(p) for p in mine)
+            if mine:
+                self.units.append(mine)
+        self.group, self.microbatches = group, microbatches
+        self.later_scale = later_scale  # what the gradients are divided by after the backward (a pipeline schedule
+        # averages over its micro-batches when its step ends): a bucket taken before that is divided by it, too
+        self.active = False
+        self._unit_of = {id(p): i for i, u in enumerate(self.units) for p in u}
+        self._reset()
+        for unit in self.units:
+            for p in unit:
+                p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def _reset(self) -> None:
+        self._count: dict[int, int] = {}
+        self._left = [len(u) for u in self.units]
+        self._pending: list[tuple[list[torch.Tensor], torch.Tensor, dist.Work, bool]] = []
+        self._issued: set[int] = set()
+        self._late = False
+
+    @contextlib.contextmanager
+    def armed(self) -> Iterator[None]:
+        """The hooks count (and issue buckets) only inside this: a step's forward and backward passes."""
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        if not self.active:
+            return
+        n = self._count.get(id(p), 0) + 1
+        self._count[id(p)] = n
+        if n > self.microbatches:
+            self._late = True
+        elif n == self.microbatches:
+            i = self._unit_of[id(p)]
+            self._left[i] -= 1
+            if self._left[i] == 0:
+                self._issue(i)
+
+    @torch.no_grad()
+    def _issue(self, i: int) -> None:
+        self._issued.add(i)
+        fix_grad_placements(self.units[i])
+        grads = [g for g in (local_grad(p) for p in self.units[i]) if g is not None]
+        if grads:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            work = dist.all_reduce(flat, group=self.group, async_op=True)
+            self._pending.append((grads, flat, work, self.active))
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Issue the units not issued yet, wait for every bucket and write the averages into the gradients."""
+        try:
+            for i in range(len(self.units)):
+                if i not in self._issued:
+                    self._issue(i)
+            for _, _, work, _ in self._pending:
+                work.wait()
+            if self._late:  # a bucket went out before its last accumulation: redo the whole sync at once
+                params = [p for u in self.units for p in u]
+                fix_grad_placements(params)
+                allreduce_grads(params, self.group, average=True)
+                return
+            size = dist.get_world_size(self.group)
+            for grads, flat, _, early in self._pending:
+                flat /= size * (self.later_scale if early else 1)
+                off = 0
+                for g in grads:
+                    g.copy_(flat[off:off + g.numel()].view_as(g))
+                    off += g.numel()
+        finally:
+            self._reset()

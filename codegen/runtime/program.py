@@ -108,6 +108,7 @@ class ParallelProgram:
         self._ep: epm.ExpertParallel | None = ep
         self._fsdp = plan.zero >= 1 and plan.mesh.dp * plan.mesh.cp > 1
         self._grad_pg: dist.ProcessGroup | None = None
+        self._gsync: dpm.GradSync | None = None  # ZeRO 0 with replicas: made at the first step (_grad_sync)
         self.schedule = None
         if plan.mesh.pp > 1:
             self.schedule = build_schedule(plan, list(stages), stage_indices, mesh["pp"].get_group(), device,
@@ -190,7 +191,8 @@ class ParallelProgram:
             tgt = self._cp.slice(tgt)
         # Plain tensors created inside the model (torch.arange positions...) meet DTensors in forward *and* backward.
         ctx = implicit_replication() if self.plan.mesh.tp > 1 else contextlib.nullcontext()
-        with ctx, self._autocast():
+        armed = g.armed() if (g := self._grad_sync()) is not None else contextlib.nullcontext()
+        with ctx, self._autocast(), armed:  # armed: ZeRO 0's buckets go out during the backward
             loss = self._run_pipeline(ins, tgt) if self.schedule is not None else self._run_local(ins, tgt)
         self._sync_grads()
         return self._reduce_loss(loss)
@@ -262,16 +264,26 @@ class ParallelProgram:
         params = [p for p in self.parameters() if id(p) not in experts]  # experts sync over their shard group
         if self._ep is not None and not self._fsdp:  # (under FSDP2 their reduce-scatter divides them)
             epm.sync_expert_grads(self._ep)
-        if not self._fsdp:
+        if self._gsync is not None:  # cp ranks hold the same parameters, too
+            self._gsync.finish()
+        elif not self._fsdp:
             dpm.fix_grad_placements(params)
-            if self.plan.mesh.dp * self.plan.mesh.cp > 1:  # cp ranks hold the same parameters, too
-                dpm.allreduce_grads(params, self._grad_group(), average=True)
         if not self._tie_groups:
             return
         named = dict(self.named_parameters())
         for fqn, group in self._tie_groups.items():
             if fqn in named:
                 dpm.allreduce_grads([named[fqn]], group, average=False)
+
+    def _grad_sync(self) -> dpm.GradSync | None:
+        """ZeRO 0's overlapped gradient all-reduce over the replicas, a bucket per layer group (the cost model's
+        units); None without replicas or with FSDP."""
+        if self._gsync is None and not self._fsdp and self.plan.mesh.dp * self.plan.mesh.cp > 1:
+            experts = {id(p) for p in self._ep.parameters()} if self._ep is not None else set()
+            units = [list(g.parameters()) for st in self.stages for g in st.groups] + [list(self.parameters())]
+            self._gsync = dpm.GradSync([[p for p in u if id(p) not in experts] for u in units], self._grad_group(),
+                                       self.plan.num_microbatches, self.plan.num_microbatches if self.schedule else 1)
+        return self._gsync
 
     def _grad_group(self) -> dist.ProcessGroup:
         """The group replicas average gradients over (dp, or dp x cp), looked up once: slicing the DeviceMesh every

@@ -1,5 +1,5 @@
 """Data-parallel collectives and their overlap (planner.inter_op.dpcomm), ring latency at scale, causal attention
-costing, and the FSDP2 mixed-precision policy the runtime takes from the plan."""
+costing, the FSDP2 mixed-precision policy the runtime takes from the plan, and ZeRO 0's overlapped gradient sync."""
 
 from __future__ import annotations
 
@@ -211,3 +211,61 @@ def test_the_steps_loss_all_reduce_is_charged_once_over_every_rank(monkeypatch: 
     assert charged.total - free.total == pytest.approx(want)
     monkeypatch.undo()
     assert evaluate._loss_sync(CostModel(prof), 1) == 0.0
+
+
+def test_zero0_buckets_go_out_during_the_last_backward_one_per_unit(fake_world, monkeypatch: pytest.MonkeyPatch
+                                                                     ) -> None:
+    """ZeRO 0's gradient sync as the cost model describes it: one all-reduce per unit, issued once the unit's
+    gradients are final (the last micro-batch's backward), so the last layer's goes out before the first layer's
+    backward runs; nothing while the first micro-batch runs or outside a step; the averages written back (a fake
+    world of 2: each all-reduce returns the rank's own values, so every gradient is halved)."""
+    import torch.distributed as dist
+
+    fake_world(2)
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    units = [list(layers[i].parameters()) for i in (0, 2, 4)]
+    issued: list[int] = []
+    real = dist.all_reduce
+
+    def counted(t: torch.Tensor, *a: object, **k: object) -> object:
+        issued.append(t.numel())
+        return real(t, *a, **k)
+
+    monkeypatch.setattr(dist, "all_reduce", counted)
+    sync = dpm.GradSync(units, dist.group.WORLD, microbatches=2)
+    at_first_layer: list[int] = []
+    layers[0].register_full_backward_pre_hook(lambda m, g: at_first_layer.append(len(issued)))
+    x = torch.randn(6, 4, requires_grad=True)
+    layers(x).sum().backward()  # outside a step: not counted
+    for p in layers.parameters():
+        p.grad = None
+    with sync.armed():
+        for part in x.chunk(2):
+            layers(part).sum().backward()
+            if len(at_first_layer) == 2:
+                assert issued == [], "a bucket went out before the last micro-batch"
+    # one per unit in backward order; the last two layers' both before the first layer's backward ran
+    assert issued == [8 * 2 + 2, 8 * 8 + 8, 4 * 8 + 8], issued
+    assert at_first_layer[-1] == 2
+    local = [p.grad.clone() for p in layers.parameters()]
+    sync.finish()
+    assert len(issued) == 3  # nothing left for the end of the step
+    for p, g in zip(layers.parameters(), local):
+        assert torch.equal(p.grad, g / 2)
+
+
+def test_zero0_sync_falls_back_when_a_gradient_accumulates_after_its_bucket_went_out(fake_world) -> None:
+    """A parameter accumulated more often than the step's micro-batches (used by two of a rank's chunks) had its
+    bucket issued too early: the step then all-reduces every gradient as it finally is."""
+    import torch.distributed as dist
+
+    fake_world(2)
+    lin = nn.Linear(3, 3)
+    sync = dpm.GradSync([list(lin.parameters())], dist.group.WORLD, microbatches=2)
+    with sync.armed():
+        for _ in range(3):
+            lin(torch.randn(2, 3)).sum().backward()
+    final = [p.grad.clone() for p in lin.parameters()]
+    sync.finish()
+    assert all(torch.equal(p.grad, g / 2) for p, g in zip(lin.parameters(), final))
