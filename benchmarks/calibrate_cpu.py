@@ -42,7 +42,15 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from autopar import ir
-from autopar.planner.calibrate import RunMeasurement, calibrate, calibrate_loop, measure_plan, plan_graph, predict
+from autopar.planner.calibrate import (
+    RunMeasurement,
+    calibrate,
+    calibrate_loop,
+    link_groups,
+    measure_plan,
+    plan_graph,
+    predict,
+)
 from autopar.planner.options import PlanOptions
 from autopar.planner.search import search
 from autopar.profiles.profiler import oversubscribed, run_profile_command, time_concurrent
@@ -170,9 +178,11 @@ def main() -> int:
     base[4] = oversubscribed(replace(base[4], device=base[2].device), slicing,
                              note=f"2-rank device time-sliced x{slicing:.3g} for 4 ranks on {os.cpu_count()} cores")
     save_profile(base[4], out / "base4-sliced.yaml")
+    groups = link_groups([p for p, _, _ in runs], base[2])  # the link-table points the fit runs exercised
     fitted = {2: provenance(base[2], replace(fit, factors=total),
-                            f"{args.fit_model} dp=2 and tp=2 runs (benchmarks/calibrate_cpu.py)"),
-              4: apply_factors(base[4], total, note=f"factors fitted on 2 ranks ({args.fit_model} dp=2, tp=2)")}
+                            f"{args.fit_model} dp=2 and tp=2 runs (benchmarks/calibrate_cpu.py)", groups),
+              4: apply_factors(base[4], total, note=f"factors fitted on 2 ranks ({args.fit_model} dp=2, tp=2)",
+                               link_groups=groups)}
     for n, prof in fitted.items():
         save_profile(prof, out / f"fitted{n}.yaml")
 
@@ -244,10 +254,12 @@ def refit(d: Path) -> int:
         m = RunMeasurement(**{**m, "mesh": tuple(m["mesh"])})
         return plan, plan_graph(plan, entry["model"], saved["seq"]), m
 
-    fit = calibrate(base[2], [run(e) for e in saved["fit"].values()])
+    fit_runs = [run(e) for e in saved["fit"].values()]
+    fit = calibrate(base[2], fit_runs)
+    groups = link_groups([p for p, _, _ in fit_runs], base[2])
     print("fitted factors: " + ", ".join(f"{k} x{v:.3g}" + ("" if fit.determined.get(k) else " (left at 1)")
                                          for k, v in fit.factors.items()))
-    fitted = {n: apply_factors(base[n], fit.factors) for n in base}
+    fitted = {n: apply_factors(base[n], fit.factors, link_groups=groups) for n in base}
     within = 0
     for key, e in [*(("FIT  " + k, e) for k, e in saved["fit"].items()),
                    *(("HELD " + k, e) for k, e in saved["held_out"].items())]:

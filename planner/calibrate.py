@@ -158,6 +158,25 @@ def plan_pins(plan: Plan) -> dict[str, int | str]:
             "recompute": rc}
 
 
+def link_groups(plans: Sequence[Plan], profile: ClusterProfile) -> set[tuple[str, int]]:
+    """The ``(level, group size)`` link-table points the plans' collectives read: each plan's tensor-parallel group,
+    its data-parallel (dp x cp) group, the pair of stages holding tied parameters and the whole world (the step's
+    loss all-reduce).  A fit's link factors rescale only these (:func:`~autopar.profiles.refit.apply_factors`)."""
+    from autopar.profiles.cost import CostModel
+
+    cost, out = CostModel(profile), set()
+    for p in plans:
+        m = p.mesh
+        tie = [(2, (m.pp - 1) * m.dp * m.cp * m.tp)] if m.pp > 1 else []
+        for size, stride in [(m.tp, 1), (m.dp * m.cp, m.tp), (p.world_size, 1), *tie]:
+            if size > 1:
+                span = cost.span(size, stride)
+                out.add(("intra_node", span.devices_per_node))
+                if span.nodes > 1:
+                    out.add(("inter_node", span.nodes))
+    return out
+
+
 def predict(graph: Graph, profile: ClusterProfile, plan: Plan) -> Plan:
     """The planner's prediction for ``plan``'s choices under ``profile`` (the search with the choices pinned)."""
     from autopar.planner.search import search
@@ -222,6 +241,7 @@ def calibrate(base: ClusterProfile, runs: Sequence[tuple[Plan, Graph, RunMeasure
     plans = [p for p, _, _ in runs]
 
     at_base = [predict(g, base, p) for p, g, _ in runs]
+    groups = link_groups(plans, base)
     if any(q.mesh != p.mesh for q, (p, _, _) in zip(at_base, runs)):
         raise ValueError("a plan's choices are not reproducible under the base profile (different mesh)")
     # each set of factors is predicted once (the base is read by the mesh check, the screen and the fit's start;
@@ -231,7 +251,7 @@ def calibrate(base: ClusterProfile, runs: Sequence[tuple[Plan, Graph, RunMeasure
     def observe(factors: dict[str, float]) -> list[float]:
         key = tuple(sorted((k, v) for k, v in factors.items() if v != 1.0))
         if key not in memo:
-            prof = apply_factors(base, factors)
+            prof = apply_factors(base, factors, link_groups=groups)
             memo[key] = [x for p, g, _ in runs for x in observation(predict(g, prof, p))]
         return list(memo[key])
 
@@ -304,7 +324,7 @@ def calibrate_loop(base: ClusterProfile, runs: list[tuple[Plan, Graph, RunMeasur
     for it in range(max(1, iterations)):
         fit = calibrate(current, runs)
         total = compose(total, fit.factors, getattr(base.device, OVERLAP_FIELD, 0.0))
-        current = apply_factors(base, total)
+        current = apply_factors(base, total, link_groups=link_groups([p for p, _, _ in runs], base))
         if it + 1 >= iterations or remeasure is None:
             break
         replanned = [(predict(g, current, p), g, m) for p, g, m in runs]
@@ -380,7 +400,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     out = Path(args.output)
     if args.apply:
         factors = load_factors(args.apply)
-        prof = apply_factors(base, factors, note=f"factors of {args.apply}")
+        groups = json.loads(Path(args.apply).read_text()).get("link_groups")  # None: written before they were kept
+        prof = apply_factors(base, factors, note=f"factors of {args.apply}",
+                             link_groups=None if groups is None else {(str(a), int(b)) for a, b in groups})
         save_profile(_renamed(prof, base, f"factors of {args.apply}"), out)
         print(f"wrote {out}: {base.name} with " + ", ".join(f"{k} x{v:.3g}" for k, v in sorted(factors.items())))
         return 0
@@ -403,14 +425,16 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     fit, total, runs = calibrate_loop(base, runs, iterations=args.iterations, remeasure=remeasure)
     what = ", ".join(f"{Path(m.plan_path).name} ({args.model})" for _, _, m in runs)
-    fitted = provenance(base, replace(fit, factors=total), what)
+    groups = link_groups([p for p, _, _ in runs], base)
+    fitted = provenance(base, replace(fit, factors=total), what, groups)
     save_profile(fitted, out)
     sidecar = out.with_name(out.name + ".calibration.json")
     befores = [predict(g, base, p) for p, g, _ in runs]
     afters = [predict(g, fitted, p) for p, g, _ in runs]
     sidecar.write_text(json.dumps({
         "base": base.name, "base_source": base.source, "model": args.model,
-        "plans": [m.plan_path for _, _, m in runs], "factors": total, "last_fit_factors": fit.factors,
+        "plans": [m.plan_path for _, _, m in runs], "factors": total, "link_groups": sorted(groups),
+        "last_fit_factors": fit.factors,
         "determined": fit.determined, "cost_before": fit.cost_before, "cost_after": fit.cost_after,
         "observations": list(_OBS), "measured": fit.measured, "before": fit.before, "after": fit.after,
         "runs": [asdict(m) for _, _, m in runs]}, indent=1))

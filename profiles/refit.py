@@ -42,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -90,17 +90,23 @@ def _check(factors: Mapping[str, float], profile: ClusterProfile) -> None:
             raise ValueError(f"factor {k} must be a positive finite number, got {v!r}")
 
 
-def _scale_table(points: tuple[AlphaBeta, ...], alpha: float, beta: float, note: str) -> tuple[AlphaBeta, ...]:
+def _scale_table(points: tuple[AlphaBeta, ...], alpha: float, beta: float, note: str,
+                 sizes: Collection[int] | None = None) -> tuple[AlphaBeta, ...]:
     if alpha == 1.0 and beta == 1.0:
         return points
-    return tuple(dataclasses.replace(p, alpha_s=p.alpha_s * alpha, busbw=p.busbw / beta,
+    return tuple(p if sizes is not None and p.group_size not in sizes else
+                 dataclasses.replace(p, alpha_s=p.alpha_s * alpha, busbw=p.busbw / beta,
                                      source=(p.source + "; " if p.source else "") + note) for p in points)
 
 
-def apply_factors(profile: ClusterProfile, factors: Mapping[str, float], *, note: str = "") -> ClusterProfile:
+def apply_factors(profile: ClusterProfile, factors: Mapping[str, float], *, note: str = "",
+                  link_groups: Collection[tuple[str, int]] | None = None) -> ClusterProfile:
     """``profile`` with its coefficients rescaled by ``factors`` (missing factors are 1); see the module docstring.
 
-    ``note`` is appended to the ``sources`` of every changed field (provenance)."""
+    ``note`` is appended to the ``sources`` of every changed field (provenance).  ``link_groups``: the ``(level,
+    group_size)`` table points the link factors rescale, those of the collectives the fitted runs ran (what
+    ``autopar calibrate`` records); the others keep their measurement, which a fit on other group sizes says nothing
+    about (None: every point)."""
     _check(factors, profile)
     f = {k: float(v) for k, v in factors.items()}
     dev = profile.device
@@ -142,8 +148,9 @@ def apply_factors(profile: ClusterProfile, factors: Mapping[str, float], *, note
     ka = {c: (la if c != "p2p" else 1.0) * f.get(f"{c}.alpha", 1.0) for c in COLLECTIVES}
     kb = {c: (lb if c != "p2p" else 1.0) * f.get(f"{c}.beta", 1.0) for c in COLLECTIVES}
     for level, link in profile.links.items():
-        tables = {c: _scale_table(link.table(c), ka[c], kb[c], f"{tag} (alpha x{ka[c]:.4g}, time/byte x{kb[c]:.4g})")
-                  for c in COLLECTIVES}
+        sizes = None if link_groups is None else {n for lv, n in link_groups if lv == level}
+        tables = {c: _scale_table(link.table(c), ka[c], kb[c], f"{tag} (alpha x{ka[c]:.4g}, time/byte x{kb[c]:.4g})",
+                                  sizes) for c in COLLECTIVES}
         links[level] = LinkProfile(level=link.level, **tables)  # type: ignore[arg-type]
     return dataclasses.replace(profile, device=device, links=links)
 
@@ -236,10 +243,11 @@ def fit_factors(names: Sequence[str], observe: Callable[[dict[str, float]], Sequ
                      cost_after=float(res1 @ res1), iterations=it, evaluations=n_eval, determined=determined)
 
 
-def provenance(base: ClusterProfile, fit: FitResult, what: str) -> ClusterProfile:
+def provenance(base: ClusterProfile, fit: FitResult, what: str,
+               link_groups: Collection[tuple[str, int]] | None = None) -> ClusterProfile:
     """``apply_factors(base, fit.factors)`` named and sourced as a calibrated profile: ``what`` says which runs."""
     factors = dict(fit.factors)
-    prof = apply_factors(base, factors, note=f"fitted by autopar calibrate to {what}")
+    prof = apply_factors(base, factors, note=f"fitted by autopar calibrate to {what}", link_groups=link_groups)
     text = ", ".join(f"{k} x{v:.3g}" for k, v in sorted(factors.items()) if k != "overlap")
     if "overlap" in factors:
         text += f", {OVERLAP_FIELD} {getattr(prof.device, OVERLAP_FIELD):.3g}"

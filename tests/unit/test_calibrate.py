@@ -20,6 +20,7 @@ from autopar.planner.calibrate import (
     calibrate_loop,
     compose,
     determined,
+    link_groups,
     load_factors,
     observation,
     predict,
@@ -314,4 +315,28 @@ def test_cli_apply_carries_factors_to_another_profile(tmp_path: Path, capsys: py
     assert main(["calibrate", "--cluster", str(base4), "-o", str(out)]) == 2
     assert "needs plan YAMLs" in capsys.readouterr().err
     assert math.isfinite(dataclasses.asdict(got.device)["memory_bandwidth"])
+    # a sidecar that records the link-table points its runs exercised: the others keep the profile's measurement
+    sidecar.write_text(json.dumps({"factors": {"all_reduce.beta": 3.0}, "link_groups": [["intra_node", 2]]}))
+    assert main(["calibrate", "--apply", str(sidecar), "--cluster", str(base4), "-o", str(out)]) == 0
+    assert [p.busbw for p in load_profile(out).links["intra_node"].all_reduce] == pytest.approx([5e8 / 3, 5e8])
+
+
+def test_link_factors_rescale_only_the_group_sizes_the_fitted_runs_used() -> None:
+    """A fit on 2-rank runs says nothing about 4-rank collectives (on a CPU node with more ranks than cores their
+    latency is mostly scheduling): carried to a 4-rank profile, the link factors rescale its 2-rank points only."""
+    two, four = cpu_like(2), cpu_like(4)
+    graph = _graph("gpt-tiny")
+
+    def plan(prof: ClusterProfile, **pins: int) -> ir.Plan:
+        return search(graph, prof, PlanOptions(global_batch=8, dtype="float32", top_k=0, workers=1, pins=pins)).best
+
+    dp, tp = plan(two, pp=1, dp=2, tp=1, zero=0), plan(two, pp=1, dp=1, tp=2)
+    assert link_groups([dp, tp], two) == {("intra_node", 2)}
+    assert link_groups([plan(four, pp=2, dp=2, tp=1)], four) == {("intra_node", 2), ("intra_node", 4)}
+    got = apply_factors(four, {"link.alpha": 3.0, "link.beta": 2.0}, link_groups={("intra_node", 2)})
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+        at2, at4 = got.links["intra_node"].table(kind)
+        assert (at2.alpha_s, at2.busbw) == pytest.approx((3 * 3e-4, 5e8 / 2))
+        assert (at4.alpha_s, at4.busbw) == (3e-4, 5e8)
+    assert apply_factors(four, {"link.alpha": 3.0}).links["intra_node"].all_reduce[1].alpha_s == pytest.approx(9e-4)
 
