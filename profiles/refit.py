@@ -17,7 +17,8 @@ factor                 what it multiplies (time of ...)
                        ``dtensor_op_overhead``, or, without one, 1 at the base: no extra dispatch)
 ``fsdp``               FSDP2's eager work per unit and parameter tensor (``runtime_overhead`` ``fsdp_unit`` and
                        ``fsdp_tensor`` multiplied)
-``link.alpha``         the latency term of every collective, on every level and group size (not p2p)
+``link.alpha``         the latency term of every collective, on every level and group size (not p2p; with
+                       ``link_groups``, on the table points the fitted runs used only)
 ``link.beta``          the bandwidth term of every collective (``busbw`` divided by the factor; not p2p)
 ``<coll>.alpha``       the latency term of collective ``<coll>`` alone (on top of ``link.alpha``)
 ``<coll>.beta``        the bandwidth term of ``<coll>`` alone (on top of ``link.beta``)
