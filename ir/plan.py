@@ -85,6 +85,11 @@ class MeshPlan:
                              "that share data parallelism)")
 
     @property
+    def replicas(self) -> int:
+        """Ranks holding the same parameters, over which gradients are averaged: dp x cp."""
+        return self.dp * self.cp
+
+    @property
     def world_size(self) -> int:
         return self.pp * self.dp * self.cp * self.tp
 
@@ -288,6 +293,9 @@ class Plan:
     mfu: float = 0.0
     fused_kernels: bool = True
     """Use generated Triton kernels for fused groups where the device supports them."""
+    overlap_grad_sync: bool = True
+    """ZeRO 0 with replicas: all-reduce each layer group's gradients as soon as they are final, overlapping the
+    backward (False: one all-reduce after it); the planner picks whichever it predicts faster."""
     pins: tuple[str, ...] = ()
     """User constraints the plan was made under (``tp=8``...)."""
     solver: SolverReport = field(default_factory=SolverReport)

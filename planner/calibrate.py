@@ -182,7 +182,7 @@ def predict(graph: Graph, profile: ClusterProfile, plan: Plan) -> Plan:
     from autopar.planner.search import search
 
     opts = PlanOptions(global_batch=plan.global_batch, dtype=plan.dtype, pins=plan_pins(plan), top_k=0,  # type: ignore
-                       workers=1, fused_kernels=plan.fused_kernels)
+                       workers=1, fused_kernels=plan.fused_kernels, overlap_grad_sync=plan.overlap_grad_sync)
     return search(graph, profile, opts).best
 
 

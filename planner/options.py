@@ -53,9 +53,12 @@ class PlanOptions:
     (``autopar.codegen.kernels``) and cost them so: a fused group's bytes count once (the ``fuse`` pass,
     ``autopar.ir.passes.fuse.apply_fused_bytes``). The runtime fuses stages without tensor parallelism (tp = 1) on CUDA, or on the CPU when ``TRITON_INTERPRET=1``
     is forced; tp > 1 stages run eagerly and are costed unfused.  False: eager everywhere, unfused costs."""
-    overlap_grad_sync: bool = True
+    overlap_grad_sync: bool | None = None
     """Overlap the data-parallel gradient sync with the last micro-batch's backward (DDP/FSDP2 bucketing); False
-    costs it after the backward, as frameworks without overlap (e.g. Megatron-LM in 2021) ran it."""
+    costs it after the backward, as frameworks without overlap (e.g. Megatron-LM in 2021) ran it.  None: for ZeRO 0,
+    whichever the plan is predicted faster with (the plan records it and the runtime does it): on GPUs the buckets,
+    on CPU ranks, where each gloo all-reduce costs ~0.4 ms of latency and its thread takes a core from the compute,
+    one all-reduce after the backward."""
 
     expert_load: tuple[float, ...] = ()
     """Expected share of routed (token, expert) pairs per expert of a sparse MoE block (E numbers, e.g. measured

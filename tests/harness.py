@@ -72,8 +72,9 @@ def megatron_shardings(graph: ir.Graph) -> tuple[tuple[ir.ParamSharding, ...], t
 
 def make_plan(graph: ir.Graph, *, pp: int = 1, dp: int = 1, tp: int = 1, zero: int = 0, schedule: str = "1f1b",
               micro_batch: int = 1, num_microbatches: int = 1, virtual_stages: int = 1, recompute: str = "none",
-              model: str = "", cuts: tuple[int, ...] | None = None) -> ir.Plan:
-    """A plan with the given mesh and memory savers; stages split the layer groups evenly (or at ``cuts``)."""
+              model: str = "", cuts: tuple[int, ...] | None = None, overlap_grad_sync: bool = True) -> ir.Plan:
+    """A plan with the given mesh and memory savers; stages split the layer groups evenly (or at ``cuts``);
+    ``overlap_grad_sync``: ZeRO 0's gradient all-reduce in buckets during the backward, or one after it."""
     n_stages = pp * virtual_stages
     n = len(graph.layers)
     if cuts is None:
@@ -91,7 +92,7 @@ def make_plan(graph: ir.Graph, *, pp: int = 1, dp: int = 1, tp: int = 1, zero: i
                    global_batch=micro_batch * num_microbatches * dp, micro_batch=micro_batch,
                    num_microbatches=num_microbatches, mesh=ir.MeshPlan(pp=pp, dp=dp, tp=tp),
                    schedule=schedule, virtual_stages=virtual_stages, zero=zero,  # type: ignore[arg-type]
-                   stages=stages, param_shardings=pshard, op_shardings=oshard)
+                   stages=stages, param_shardings=pshard, op_shardings=oshard, overlap_grad_sync=overlap_grad_sync)
 
 
 def planned(graph: ir.Graph, mesh: dict[str, int], global_batch: int) -> ir.Plan:

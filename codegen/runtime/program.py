@@ -268,6 +268,8 @@ class ParallelProgram:
             self._gsync.finish()
         elif not self._fsdp:
             dpm.fix_grad_placements(params)
+            if self.plan.mesh.replicas > 1:  # the plan's sync after the backward: one all-reduce
+                dpm.allreduce_grads(params, self._grad_group(), average=True)
         if not self._tie_groups:
             return
         named = dict(self.named_parameters())
@@ -276,9 +278,8 @@ class ParallelProgram:
                 dpm.allreduce_grads([named[fqn]], group, average=False)
 
     def _grad_sync(self) -> dpm.GradSync | None:
-        """ZeRO 0's overlapped gradient all-reduce over the replicas, a bucket per layer group (the cost model's
-        units); None without replicas or with FSDP."""
-        if self._gsync is None and not self._fsdp and self.plan.mesh.dp * self.plan.mesh.cp > 1:
+        """ZeRO 0's gradient all-reduce overlapped with the backward, a bucket per layer group, if the plan says so."""
+        if self._gsync is None and self.plan.overlap_grad_sync and not self._fsdp and self.plan.mesh.replicas > 1:
             experts = {id(p) for p in self._ep.parameters()} if self._ep is not None else set()
             units = [list(g.parameters()) for st in self.stages for g in st.groups] + [list(self.parameters())]
             self._gsync = dpm.GradSync([[p for p in u if id(p) not in experts] for u in units], self._grad_group(),

@@ -78,6 +78,8 @@ class DpComm:
     """Sum of all data-parallel collective times of the iteration (hidden or not), for reports."""
     eager_s: float = 0.0
     """FSDP2's eager (host) work of the iteration: compute time the rank spends in its hooks."""
+    overlapped: bool = True
+    """ZeRO 0: the gradient all-reduce goes out in buckets during the backward (False: one after it)."""
 
     @property
     def total_s(self) -> float:
@@ -130,7 +132,7 @@ def dp_comm(cost: CostModel, *, params: float, units: int, fwd_s: float, bwd_s: 
     if zero == 0:
         if not overlap:
             t = coll("all_reduce", params * reduce_item)
-            return DpComm(t, 0.0, t)
+            return DpComm(t, 0.0, t, overlapped=False)
         ar = coll("all_reduce", unit * reduce_item)
         e, k = _chain(b, ar, n - 1, kappa)
         return DpComm(e + ar, k, n * ar)

@@ -197,19 +197,23 @@ def evaluate_stages(table: LayerTable, s: Screened, cost: CostModel, options: Pl
         pm = [tc[k % pp][1].runtime_overhead("pipeline_microbatch") / 2 for k in range(len(chunks))]
         fwd, bwd = [f + x for f, x in zip(fwd, pm)], [b + x for b, x in zip(bwd, pm)]
     p2p = list(p2p_s) or [cost.p2p_time(table.out_bytes[b - 1], intra_node=p2p_intra) for _, b in chunks[:-1]]
-    comms, opt = [], 0.0
+    ranks, opt = [], 0.0
     for r in range(pp):
         table, cost = tc[r]
         mine = list(rank_chunks(chunks, pp, r))
         params = _rank_params(table, mine, n)
         ks = range(r, len(chunks), pp)
         tensors = sum(sum(table.tensors[a:b]) for a, b in mine)
-        comms.append(dp_time(cost, params=params, units=sum(b - a for a, b in mine), fwd_s=sum(fwd[k] for k in ks),
-                             bwd_s=sum(bwd[k] for k in ks), m=c.num_microbatches, dp=c.grad_dp, tp=c.tp, zero=c.zero,
-                             dtype=options.dtype, reduce_dtype=options.reduce_dtype,
-                             overlap=options.overlap_grad_sync, recompute=rcs[r],
-                             tensors=tensors if options.dp_collectives == "tensor" else 0, param_tensors=tensors))
+        ranks.append((cost, {"params": params, "units": sum(b - a for a, b in mine), "fwd_s": sum(fwd[k] for k in ks),
+                             "bwd_s": sum(bwd[k] for k in ks), "recompute": rcs[r], "param_tensors": tensors,
+                             "tensors": tensors if options.dp_collectives == "tensor" else 0}))
         opt = max(opt, optimizer_time(cost, params=params, tensors=tensors, zero=c.zero, dp=c.grad_dp, tp=c.tp))
+    # ZeRO 0 without a given mode: the gradient sync overlapped or after the backward, one mode for every rank (the
+    # runtime runs one), whichever leaves the slowest rank's sync shorter
+    modes = [options.overlap_grad_sync] if options.overlap_grad_sync is not None or c.zero else [True, False]
+    comms = min(([dp_time(cst, m=c.num_microbatches, dp=c.grad_dp, tp=c.tp, zero=c.zero, dtype=options.dtype,
+                          reduce_dtype=options.reduce_dtype, overlap=mode, **kw) for cst, kw in ranks]
+                 for mode in modes), key=lambda cs: max(x.total_s for x in cs))
     comms = _step_syncs(comms, tc, c)
     shared = None if per_rank else _shared_cores(cost.profile, c, chunks, tc[0][0])
     sim = simulate(fwd, bwd, pp=pp, num_microbatches=c.num_microbatches, schedule=c.schedule,  # type: ignore[arg-type]
@@ -303,7 +307,7 @@ def assemble_plan(graph: Graph, options: PlanOptions, s: Screened, table: LayerT
         micro_batch=c.micro_batch, num_microbatches=c.num_microbatches,
         mesh=MeshPlan(pp=c.pp, dp=c.dp, ep=c.ep, cp=c.cp, tp=c.tp),
         schedule=c.schedule, virtual_stages=c.virtual_stages, zero=c.zero, dtype=options.dtype,  # type: ignore
-        reduce_dtype=options.reduce_dtype,
+        reduce_dtype=options.reduce_dtype, overlap_grad_sync=comms[0].overlapped,
         stages=tuple(stages), param_shardings=param_patterns(graph, table),
         op_shardings=_op_shardings(graph, table), time=tb, samples_per_s=options.global_batch / total,
         tflops_per_device=tflops, mfu=tflops * 1e12 / peak_flops, fused_kernels=options.fused_kernels,

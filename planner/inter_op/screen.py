@@ -256,18 +256,25 @@ def reserve_for(cost: CostModel) -> MemoryReserve:
 
 
 def dp_time(cost: CostModel, *, params: float, units: int, fwd_s: float, bwd_s: float, m: int, dp: int, tp: int,
-            zero: int, dtype: str, reduce_dtype: str, overlap: bool, memo: ScreenMemo | None = None,
+            zero: int, dtype: str, reduce_dtype: str, overlap: bool | None, memo: ScreenMemo | None = None,
             tensors: int = 0, recompute: str = "none", param_tensors: float = 0.0) -> DpComm:
     """Data-parallel communication of one rank per iteration (:func:`autopar.planner.inter_op.dpcomm.dp_comm`),
     the one formula screening and exact evaluation share; ``memo`` memoizes its collective times.  ``tensors``:
     the rank's parameter tensors for a per-tensor implementation (``PlanOptions.dp_collectives == "tensor"``, which
     also re-gathers for a full recompute), 0 for FSDP2's one collective per unit; ``param_tensors``: the rank's
-    parameter tensors (FSDP2's eager work per tensor)."""
+    parameter tensors (FSDP2's eager work per tensor).  ``overlap=None``: ZeRO 0's sync overlapped with the backward
+    or after it, whichever costs less (:attr:`~autopar.planner.options.PlanOptions.overlap_grad_sync`)."""
     coll = None if memo is None else memo.collectives(cost, dp, tp)
-    return dp_comm(cost, params=params, units=units, fwd_s=fwd_s, bwd_s=bwd_s, num_microbatches=m, dp=dp, tp=tp,
-                   zero=zero, param_item=DTYPE_BYTES.get(dtype, 4), reduce_item=DTYPE_BYTES.get(reduce_dtype, 4),
-                   overlap=overlap, coll=coll, per_unit=tensors / units if tensors else 1.0,
-                   recompute_regather=bool(tensors) and recompute == "full", param_tensors=param_tensors)
+
+    def run(ov: bool) -> DpComm:
+        return dp_comm(cost, params=params, units=units, fwd_s=fwd_s, bwd_s=bwd_s, num_microbatches=m, dp=dp, tp=tp,
+                       zero=zero, param_item=DTYPE_BYTES.get(dtype, 4), reduce_item=DTYPE_BYTES.get(reduce_dtype, 4),
+                       overlap=ov, coll=coll, per_unit=tensors / units if tensors else 1.0,
+                       recompute_regather=bool(tensors) and recompute == "full", param_tensors=param_tensors)
+
+    if overlap is not None or zero != 0:
+        return run(overlap is not False)
+    return min(run(True), run(False), key=lambda d: d.total_s)  # ties: overlapped
 
 
 class ScreenMemo:

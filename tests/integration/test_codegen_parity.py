@@ -21,6 +21,7 @@ scaling) is O(1)."""
 
 TWO_RANKS = [
     dict(name="dp2", dp=2),
+    dict(name="dp2-mb2-sync-after", dp=2, num_microbatches=2, overlap_grad_sync=False),
     dict(name="tp2", tp=2),
     dict(name="pp2-1f1b", pp=2, num_microbatches=2),
     dict(name="pp2-gpipe-recompute-full", pp=2, num_microbatches=2, schedule="gpipe", recompute="full"),
@@ -32,7 +33,8 @@ TWO_RANKS = [
 FOUR_RANKS = [
     dict(name="dp2-tp2", dp=2, tp=2),
     dict(name="pp2-tp2", pp=2, tp=2, num_microbatches=2),
-    dict(name="pp2-dp2", pp=2, dp=2, num_microbatches=2),
+    dict(name="pp2-dp2", pp=2, dp=2, num_microbatches=2),  # ZeRO 0's buckets during the last backward
+    dict(name="pp2-dp2-sync-after", pp=2, dp=2, num_microbatches=2, overlap_grad_sync=False),
     dict(name="dp2-tp2-zero3", dp=2, tp=2, zero=3),
     dict(name="pp2-dp2-zero3-seed", pp=2, dp=2, zero=3, num_microbatches=2, init="seed"),
 ]
