@@ -437,10 +437,10 @@ def _measure(opts: ProfileOptions) -> tuple[ClusterProfile, dict[str, Any]]:
         dev["sources"]["runtime_overhead"] = dev["sources"]["op_overhead"] + " (one process)"
         dev["sources"]["dtensor_op_overhead"] = (dev["sources"]["op_overhead"] + " (one process: each kind's chain on "
                                                  "replicated DTensors of a one-rank mesh less on plain tensors)")
-        if data.get("pipeline_microbatch_s") is not None:  # the two-rank schedule, sends included, replaces the
-            # one-rank one: on gloo a stage waits for each micro-batch's activation and gradient
+        if data.get("pipeline_microbatch_s") is not None:  # the two-rank schedule (its sends too) replaces it
             dev["runtime_overhead"]["pipeline_microbatch"] = data["pipeline_microbatch_s"] / dev["launch_overhead_s"]
             dev["sources"]["runtime_overhead"] += "; pipeline_microbatch: a two-rank 1F1B schedule with its sends"
+        dev["overlap_slowdown"], dev["sources"]["overlap_slowdown"] = 1.0, "gloo: collectives share the ranks' cores"
         cores = (os.cpu_count() or 1) / data["threads"]
         if opts.ranks > cores:  # the rates above are those of all ranks at once, time-slicing the cores
             dev["shared_cores"] = cores

@@ -39,6 +39,10 @@ def test_quick_profile_two_ranks(tmp_path) -> None:
     # stage waits for each activation and gradient, which a one-rank schedule cannot show
     assert "two-rank 1F1B" in prof.device.sources["runtime_overhead"]
     assert 0 < cm.runtime_overhead("pipeline_microbatch") < 0.1
+    # gloo's collectives run on the ranks' own cores: overlapped with compute they take it; 2 one-thread ranks share
+    # cores only on a one-core machine
+    assert prof.device.overlap_slowdown == 1.0
+    assert prof.device.shared_cores == (None if (os.cpu_count() or 1) >= 2 else float(os.cpu_count() or 1))
     # CPU: non-matmul ops at their own measured rate (below the matmul peak on any CPU), causal attention per head dim
     assert 0 < prof.device.vector_flops < prof.device.peak_flops["float32"]
     curve = prof.device.causal_attention_efficiency
