@@ -4,10 +4,11 @@ ZeRO levels map onto FSDP2 as follows.  FSDP2 always shards parameters, gradient
 (Rajbhandari et al. 2020, "ZeRO", stage 3 layout); levels 1 and 2 differ from 3 only in that parameters stay
 gathered between forward and backward (``reshard_after_forward=False``), so the backward all-gather is skipped as
 in ZeRO-1/2's communication pattern, while the memory of parameters is that of the gathered copy during a step.
-Level 0 keeps full replicas and averages gradients as DDP does (DDP itself does not accept DTensor parameters, hence
-:class:`GradSync`): one flattened all-reduce per unit (layer group), issued asynchronously as soon as the unit's
-gradients are final, during the last micro-batch's backward, so it overlaps the backward of the units before it;
-the step waits for them at its end.  This is the program ``planner.inter_op.dpcomm`` costs for ZeRO 0.
+Level 0 keeps full replicas and averages gradients as the plan says (``Plan.overlap_grad_sync``, which the planner
+picks by cost): as DDP does (DDP itself does not accept DTensor parameters, hence :class:`GradSync`), one flattened
+all-reduce per unit (layer group), issued asynchronously as soon as the unit's gradients are final, during the last
+micro-batch's backward, so it overlaps the backward of the units before it; or one flattened all-reduce after the
+backward (:func:`allreduce_grads`).  These are the two programs ``planner.inter_op.dpcomm`` costs for ZeRO 0.
 
 Precision (:func:`mp_policy`): parameters, gradients and optimizer state stay fp32 (sharded); for a half-precision
 plan FSDP2 casts the gathered parameters to the plan's dtype (``param_dtype``), so all-gathers move 2 bytes per
