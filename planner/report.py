@@ -46,6 +46,9 @@ def render_plan(plan: Plan, *, graph: Graph | None = None, width: int | None = N
             f"{g.name}: {g.nodes} x {g.device}, stages "
             f"{','.join(str(s.index) for s in plan.stages if s.device_group == g.name) or 'none'}"
             for g in plan.device_groups)))
+    if plan.zero == 0 and m.replicas > 1:
+        head.append(("gradient sync", "a bucket per layer group, overlapping the backward" if plan.overlap_grad_sync
+                     else "one all-reduce after the backward"))
     if m.cp > 1:
         head.append(("context parallel", cp_text(plan)))
     head.extend(("note", n) for n in plan.notes)
