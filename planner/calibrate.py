@@ -39,6 +39,7 @@ from autopar.ir.graph import Graph
 from autopar.ir.plan import Plan
 from autopar.planner.options import PlanOptions
 from autopar.planner.run import attribution
+from autopar.profiles.cost import CostModel
 from autopar.profiles.refit import OVERLAP_FIELD, FitResult, apply_factors, factor_names, fit_factors, provenance
 from autopar.profiles.schema import ClusterProfile, save_profile
 
@@ -162,8 +163,6 @@ def link_groups(plans: Sequence[Plan], profile: ClusterProfile) -> set[tuple[str
     """The ``(level, group size)`` link-table points the plans' collectives read: each plan's tensor-parallel group,
     its data-parallel (dp x cp) group, the pair of stages holding tied parameters and the whole world (the step's
     loss all-reduce).  A fit's link factors rescale only these (:func:`~autopar.profiles.refit.apply_factors`)."""
-    from autopar.profiles.cost import CostModel
-
     cost, out = CostModel(profile), set()
     for p in plans:
         m = p.mesh

@@ -116,7 +116,7 @@ def dp_comm(cost: CostModel, *, params: float, units: int, fwd_s: float, bwd_s: 
     ``torch.distributed``'s list API (see the module docstring; default: whenever ``per_unit > 1``);
     ``param_tensors``: the rank's parameter tensors (FSDP2's per-tensor eager work)."""
     if dp <= 1 or params <= 0:
-        return DpComm(0.0, 0.0, 0.0)
+        return DpComm(0.0, 0.0, 0.0, overlapped=overlap)
     if units < 1 or num_microbatches < 1:
         raise ValueError(f"units and num_microbatches must be >= 1, got {units}, {num_microbatches}")
     if coll is None:

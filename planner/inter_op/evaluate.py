@@ -113,16 +113,9 @@ def _step_syncs(comms: list[DpComm], tc: Sequence[tuple[LayerTable, CostModel]],
     pp = c.pp
     out = list(comms)
     (table, cost) = tc[0]
-
-    def span(size: int, stride: int) -> GroupSpan:  # within the profile (a heterogeneous pipeline's rank
-        s = cost.span(size, stride)                     # costs with its own device group's profile)
-        prof = cost.profile
-        return GroupSpan(devices_per_node=min(s.devices_per_node, prof.devices_per_node),
-                         nodes=min(s.nodes, prof.nodes))
-
     if pp > 1 and table.shared_params > 0:  # float32 gradients of the tied parameters, two ranks a stage-span apart
         tie = cost.collective_time("all_reduce", table.shared_params * DTYPE_BYTES["float32"],
-                                   span=span(2, (pp - 1) * c.dp * c.cp * c.tp))
+                                   span=_span_within(cost, 2, (pp - 1) * c.dp * c.cp * c.tp))
         for r in (0, pp - 1):
             out[r] = replace(out[r], exposed_s=out[r].exposed_s + tie, collective_s=out[r].collective_s + tie)
     return out
@@ -136,9 +129,14 @@ def _loss_sync(cost: CostModel, world: int) -> float:
     work."""
     if world <= 1:
         return 0.0
-    s, prof = cost.span(world), cost.profile
-    span = GroupSpan(devices_per_node=min(s.devices_per_node, prof.devices_per_node), nodes=min(s.nodes, prof.nodes))
-    return cost.collective_time("all_reduce", DTYPE_BYTES["float32"], span=span)
+    return cost.collective_time("all_reduce", DTYPE_BYTES["float32"], span=_span_within(cost, world))
+
+
+def _span_within(cost: CostModel, size: int, stride: int = 1) -> GroupSpan:
+    """``cost.span`` clipped to the cost model's own profile (a heterogeneous pipeline's rank costs with its own
+    device group's profile, smaller than the whole cluster)."""
+    s, prof = cost.span(size, stride), cost.profile
+    return GroupSpan(devices_per_node=min(s.devices_per_node, prof.devices_per_node), nodes=min(s.nodes, prof.nodes))
 
 
 def _shared_cores(profile: ClusterProfile, c: Candidate, chunks: Sequence[tuple[int, int]],
