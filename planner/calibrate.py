@@ -128,11 +128,11 @@ def measure_plan(plan_path: str | Path, model: str, *, steps: int = 16, warmup: 
     with tempfile.TemporaryDirectory(prefix="autopar-calibrate-") as d:
         rep = Path(d) / "report.json"
         args = ["--report", str(rep), "--warmup", str(warmup),
-                "--step-hook", "autopar.planner.run.attribution:profile_step"] + (["--seq", str(seq)] if seq else [])
+                "--step-hook", "autopar.planner.run.attribution:profile_step"]
         env = {attribution.ENV_DIR: d, attribution.ENV_START: str(steps - profiled),
                attribution.ENV_STOP: str(steps)}
         with _env(env):
-            rc = run_plan(plan_path, model, steps, worker_args=args, timeout_s=timeout_s)
+            rc = run_plan(plan_path, model, steps, worker_args=args, timeout_s=timeout_s, seq=seq)
         files = [rep] + [Path(d) / f"rank{r}.json" for r in range(plan.world_size)]
         if rc != 0 and not all(f.is_file() for f in files):
             raise RuntimeError(f"running {plan_path} failed (torchrun exit code {rc})")

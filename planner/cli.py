@@ -208,8 +208,11 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from autopar.ir.limits import MAX_SEQ, check_bound
     from autopar.planner.run.torchrun import check_checkpoint_dir, checkpoint_lock, run_plan
 
+    if args.seq is not None:
+        check_bound("--seq", args.seq, MAX_SEQ)
     worker: list[str] = ["--data", args.data]
     if args.init:
         if args.init not in ("seed", "copy", "model") and not Path(args.init).exists():
@@ -240,7 +243,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         try:
             return int(run_plan(args.plan, args.model, steps=args.steps, nproc=args.nproc,
                                 extra_torchrun_args=args.torchrun_args or [], worker_args=worker,
-                                max_restarts=args.max_restarts, timeout_s=args.timeout, summarize=True))
+                                max_restarts=args.max_restarts, timeout_s=args.timeout, summarize=True,
+                                seq=args.seq))
         except TimeoutError as e:
             print(f"autopar: error: {e}", file=sys.stderr)
             return 124
@@ -358,6 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     rn.add_argument("plan")
     rn.add_argument("--model", required=True)
     rn.add_argument("--steps", type=int, default=10)
+    rn.add_argument("--seq", type=int, default=None, help="sequence length the plan was made for (autopar plan --seq)")
     rn.add_argument("--nproc", type=int, default=None, help="processes (default: the plan's world size)")
     rn.add_argument("--checkpoint-dir", default=None, help="save checkpoints here; resume from them after a restart")
     rn.add_argument("--save-every", type=int, default=0, help="checkpoint every K steps (0: after the last step only)")

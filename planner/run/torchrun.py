@@ -117,8 +117,12 @@ def _node_rank(torchrun_args: Sequence[str]) -> int:
 
 def run_plan(plan_path: str | Path, model_name: str, steps: int, nproc: int | None = None,
              extra_torchrun_args: Sequence[str] = (), worker_args: Sequence[str] = (),
-             timeout_s: float | None = None, max_restarts: int = 0, summarize: bool = False) -> int:
+             timeout_s: float | None = None, max_restarts: int = 0, summarize: bool = False,
+             seq: int | None = None) -> int:
     """Run the plan under torchrun (gloo on CPU, nccl on CUDA) and return torchrun's exit code.
+
+    ``seq``: the sequence length the plan was made for (``autopar plan --seq``); the launcher checks the plan against
+    the model built with it and the workers build it so.
 
     ``summarize``: raise :class:`WorkerFailure` (one line: the failing rank and its cause, out-of-space first)
     instead of returning a non-zero exit code.  ``timeout_s`` counts from the call (the launcher's checks included).
@@ -129,9 +133,10 @@ def run_plan(plan_path: str | Path, model_name: str, steps: int, nproc: int | No
     from autopar.planner.run.preflight import plan_graph
 
     start = time.monotonic()  # --timeout counts from here: the checks below are part of the run
+    worker_args = [*worker_args, *(["--seq", str(seq)] if seq is not None else [])]
     cmd = torchrun_command(plan_path, model_name, steps, nproc, extra_torchrun_args, worker_args, max_restarts)
     with _factory_limit(timeout_s):  # a hanging model factory is stopped within --timeout too
-        plan_graph(ir.load_plan(plan_path), model_name)  # another model's plan, or one that does not fit it, stops
+        plan_graph(ir.load_plan(plan_path), model_name, seq)  # another model's plan, or one that does not fit it, stops
     env = dict(os.environ)
     failures = tempfile.mkdtemp(prefix="autopar-failures-")
     env[FAILURE_DIR_ENV] = failures

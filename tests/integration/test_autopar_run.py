@@ -47,3 +47,22 @@ def test_the_agent_runs_forked_from_the_preloaded_server_and_the_launcher_import
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out == {"codes": [0, 1], "torch": False}, (out, res.stderr[-3000:])
+
+
+@pytest.mark.multiprocess
+def test_run_takes_the_sequence_length_the_plan_was_made_for(tmp_path: Path, capsys) -> None:
+    """A plan made with ``autopar plan --seq`` runs with ``autopar run --seq`` (the launcher's check and the workers'
+    model both use it); without it the launcher refuses the plan as another graph's."""
+    from autopar.zoo import build
+
+    from harness import make_plan
+
+    spec = build("gpt-tiny", batch=2, device="meta", seq=16)
+    graph = ir.trace(spec.model, spec.example_inputs, frontend="fx", model_name="gpt-tiny")
+    path, report = tmp_path / "plan.yaml", tmp_path / "report.json"
+    ir.dump_plan(make_plan(graph, dp=1, micro_batch=2), path)
+    assert main(["run", str(path), "--model", "gpt-tiny", "--steps", "1"]) == 2
+    assert "made for another model" in capsys.readouterr().err
+    assert main(["run", str(path), "--model", "gpt-tiny", "--seq", "16", "--steps", "2", "--report", str(report),
+                 "--timeout", "240"]) == 0
+    assert len(json.loads(report.read_text())["step_times"]) == 2
