@@ -12,7 +12,7 @@ thread on CUDA) into
   of an asynchronous one (the host's gap until its next op);
 - ``p2p``: pipeline sends and receives (``c10d::send``/``recv`` and their waits), which hold the transfer *and* the
   pipeline bubble (a stage waiting for its neighbour);
-- ``idle``: barriers (the step-time barriers of the worker) and the program's per-step loss all-reduce
+- ``idle``: barriers and the program's per-step loss all-reduce
   (``autopar::loss_sync``, a one-element collective whose time is waiting for the slowest rank): waiting for the
   slowest rank, which no cost-model term describes (on a machine shared with other work it is the ranks' uneven
   share of the cores);
