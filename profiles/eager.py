@@ -271,14 +271,18 @@ def _pipeline_overhead(device: torch.device, sync: Callable[[], None], repeats: 
 
 
 def pipeline_overhead_two_ranks(device: torch.device, rank: int, repeats: int, group: Any = None,
-                                microbatches: int = 8) -> float:
+                                microbatches: int = 8, p2p_s: float = 0.0) -> float:
     """Seconds per micro-batch and stage that a two-stage 1F1B schedule on ranks 0 and 1 (``rank``, in ``group``)
     adds to each stage's forward and backward, its sends and receives included: with NCCL they overlap compute, on
     gloo each stage waits for every activation and gradient, in the steady state too.  The schedule's time over the
     ``m + 1`` micro-batch slots the cost model gives a two-stage 1F1B (``(m - 1) R + 2 R``, ``R`` a stage's time per
     micro-batch, :mod:`autopar.planner.inter_op.screen`), less one stage's forward and backward of a micro-batch run
     in a plain loop on both ranks at once.  Both ranks call it; the returned number is rank 0's (rank 0 finishes
-    the schedule last)."""
+    the schedule last).
+
+    ``p2p_s``: what the cost model charges for one send between the stages at the probe's size (the profile's p2p
+    table).  The schedule simulator adds it on every dependency between stages, ``m`` of them on this schedule's
+    critical path, so that much is taken out of the measured time here rather than charged twice."""
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
@@ -308,7 +312,21 @@ def pipeline_overhead_two_ranks(device: torch.device, rank: int, repeats: int, g
         timed(plain)
     # adjacent pairs (see _paired_extra): the machine's speed, which moves over seconds, cancels in each difference
     pairs = [timed(scheduled) / (m + 1) - timed(plain) / m for _ in range(max(repeats, 1))]
-    return max(statistics.median(pairs), 0.0)
+    return max(statistics.median(pairs) - simulated_sends(m, p2p_s), 0.0)
+
+
+def simulated_sends(m: int, p2p_s: float) -> float:
+    """Per micro-batch slot, the sends the schedule simulator charges a two-stage 1F1B of ``m`` micro-batches:
+    ``2 * ceil(m / 2)`` on its critical path (:func:`autopar.planner.inter_op.schedule.simulate`), over its ``m + 1``
+    slots."""
+    return 2 * ((m + 1) // 2) * p2p_s / (m + 1)
+
+
+def probe_send_s(links: dict[str, Any] | None) -> float:
+    """The p2p time the cost model charges for one send of the pipeline probe's activations (2 x 8 floats), from the
+    p2p table of measured links (``_measure_links``'s result; 0 without one: ranks other than 0 hold none)."""
+    rows = (links or {}).get("tables", {}).get("p2p")
+    return rows[0]["alpha_s"] + 64 / rows[0]["busbw"] if rows else 0.0
 
 
 def _fsdp_overheads(device: torch.device, sync: Callable[[], None], repeats: int, per_pass: float,
@@ -383,18 +401,27 @@ def _time_calls(fn: Callable[[], Any], sync: Callable[[], None], repeats: int, i
         samples.append((time.perf_counter() - t0) / inner)
     return statistics.median(samples)
 
-def _slicing_worker(barrier: Any, queue: Any, iters: int, threads: int) -> None:
+def _slicing_worker(barrier: Any, queue: Any, iters: int, threads: int, model: str | None, seq: int | None) -> None:
     torch.set_num_threads(threads)
-    a = torch.randn(64, 64)
-    leaf = torch.ones(8, requires_grad=True)
+    if model:  # a training step of the model itself (batch 2): its op mix and its memory footprint
+        from autopar.zoo import build
 
-    def work() -> None:  # a training step in miniature: small matmuls and a chain of tiny autograd ops
-        for _ in range(4):
-            a @ a
-        y = leaf
-        for _ in range(8):
-            y = y * 1.0001
-        y.sum().backward()
+        spec = build(model, batch=2, device="cpu", seq=seq)
+
+        def work() -> None:
+            out = spec.model(*spec.example_inputs)
+            (out if isinstance(out, torch.Tensor) else out[0]).float().sum().backward()
+    else:
+        a = torch.randn(64, 64)
+        leaf = torch.ones(8, requires_grad=True)
+
+        def work() -> None:  # a training step in miniature: small matmuls and a chain of tiny autograd ops
+            for _ in range(4):
+                a @ a
+            y = leaf
+            for _ in range(8):
+                y = y * 1.0001
+            y.sum().backward()
 
     for _ in range(max(1, iters // 10)):
         work()
@@ -405,16 +432,21 @@ def _slicing_worker(barrier: Any, queue: Any, iters: int, threads: int) -> None:
     queue.put(time.perf_counter() - t0)
 
 
-def time_concurrent(processes: int, *, iters: int = 3000, threads: int = 1) -> float:
+def time_concurrent(processes: int, *, iters: int | None = None, threads: int = 1, model: str | None = None,
+                    seq: int | None = None) -> float:
     """Median wall seconds of a fixed CPU workload run by ``processes`` processes at once (started together).
 
     Against the same with fewer processes, this is the time-slicing factor of an oversubscribed CPU node: more
     ranks than cores (or other work on the machine) share the cores, and each rank's every op takes that much
-    longer (:func:`oversubscribed`)."""
+    longer (:func:`oversubscribed`).  The workload is a miniature training step (3000 iterations), or with ``model``
+    (a zoo name) that model's training step at batch 2 (100 iterations): processes that switch on a core evict each
+    other's caches, which costs a model's larger working set more (measured here: x2.3-2.7 for gpt-tiny where the
+    miniature gives x2.1)."""
+    iters = iters or (100 if model else 3000)
     ctx = process_context()
     barrier, queue = ctx.Barrier(processes), ctx.Queue()
     env = dict(os.environ)
-    procs = [ctx.Process(target=with_env, args=(env, _slicing_worker, barrier, queue, iters, threads))
+    procs = [ctx.Process(target=with_env, args=(env, _slicing_worker, barrier, queue, iters, threads, model, seq))
              for _ in range(processes)]
     for p in procs:
         p.start()

@@ -26,7 +26,8 @@ concurrently (so shared memory bandwidth and cores are contended as in a real ru
   2, 4, .. ``ranks`` ranks (every disjoint group of a size at once, as a step's dp or tp groups run):
   ``all_reduce``, ``all_gather_single`` / ``reduce_scatter_single`` (the ``*_into_tensor`` / ``*_tensor`` forms on
   older torch) and ``all_to_all_single`` (all natively supported by gloo in torch >= 2.x, so nothing is emulated),
-  and p2p as ping-pong ``send``/``recv`` between ranks 0 and 1 (one-way time = round trip / 2).
+  and p2p as ping-pong ``send``/``recv`` (one-way time = round trip / 2) between ranks 0 and 1, 2 and 3, .. at once,
+  as a pipeline's stage pairs send at once.
   CPU ranks use one compute thread during this phase. Each point: warm-up, then the median over repeats of the
   slowest rank's time. Alpha-beta are fitted per collective and group size (:func:`autopar.profiles.fit.fit_alpha_beta`,
   relative least squares, non-negative) and stored as NCCL-tests bus bandwidth.
@@ -66,6 +67,7 @@ from autopar.profiles.eager import (  # noqa: F401  (re-exported: the profiler's
     measure_runtime_overheads,
     oversubscribed,
     pipeline_overhead_two_ranks,
+    probe_send_s,
     process_context,
     time_concurrent,
     with_env,
@@ -160,7 +162,7 @@ def time_collective(
 ) -> float:
     """Median over repeats of the slowest rank's time for one collective of ``nbytes`` (schema size convention).
 
-    Must be called by every rank of ``group``; p2p (``kind='p2p'``) uses ranks 0 and 1 of the world.
+    Must be called by every rank of ``group``; p2p (``kind='p2p'``) by both ranks of pairs 2i, 2i+1 of the world.
     """
     sync = _sync_fn(device)
     g = group_size
@@ -182,14 +184,11 @@ def time_collective(
     elif kind == "p2p":
         buf = torch.ones(max(1, nbytes // 4), device=device)
         rank = dist.get_rank()
+        first, then = (dist.send, dist.recv) if rank % 2 == 0 else (dist.recv, dist.send)
 
         def fn() -> None:  # ping-pong; the caller halves the time
-            if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            elif rank == 1:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
+            first(buf, rank ^ 1)
+            then(buf, rank ^ 1)
     else:
         raise ValueError(f"unknown collective {kind!r}")
     for _ in range(warmup):
@@ -352,9 +351,9 @@ def _measure_links(opts: ProfileOptions, device: torch.device, rank: int, prog: 
                 tables[kind].append({"group_size": g, "alpha_s": alpha, "busbw": busbw, "source": src})
         dist.barrier()
     ts = []
-    for s in sizes:
-        if rank < 2:
-            ts.append(time_collective("p2p", s, None, 2, device, reps, opts.warmup))
+    for s in sizes:  # every pair at once (a world of odd size leaves its last rank out); rank 0's time is kept
+        t = time_collective("p2p", s, None, 2, device, reps, opts.warmup) if rank < opts.ranks // 2 * 2 else 0.0
+        ts += [t] if rank == 0 else []
         _step(prog, f"p2p {s // KIB} KiB")
     raw["p2p"][2] = ts
     if rank == 0:
@@ -392,8 +391,9 @@ def _worker(rank: int, opts: ProfileOptions, port: int, backend: str, result_pat
             pipeline = None
             if not cuda and opts.ranks > 1:  # gloo: the pipeline schedule with its sends, on ranks 0 and 1
                 pair = dist.new_group([0, 1]) if opts.ranks > 2 else None
-                if rank < 2:
-                    pipeline = pipeline_overhead_two_ranks(device, rank, max(opts.repeats or 5, TINY_REPEATS), pair)
+                if rank < 2:  # rank 0 holds the p2p table (its sends are charged by the schedule simulator)
+                    pipeline = pipeline_overhead_two_ranks(device, rank, max(opts.repeats or 5, TINY_REPEATS), pair,
+                                                           p2p_s=probe_send_s(links))
                 dist.barrier()
         finally:
             if prog is not None:

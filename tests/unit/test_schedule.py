@@ -235,3 +235,18 @@ def test_shared_cores_never_slower_and_at_most_the_full_speedup(seed: int) -> No
         d = (fwd if e.kind == "F" else bwd)[e.stage]
         assert d / pp - 1e-9 <= e.end - e.start <= d + 1e-9
         assert (e.rank, e.kind, e.microbatch) == (f.rank, f.kind, f.microbatch)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 9])
+def test_the_pipeline_probe_takes_out_the_sends_the_simulator_charges(m: int) -> None:
+    """The profile's pipeline-schedule probe (a two-stage 1F1B on gloo, its sends included) leaves out per micro-batch
+    slot what the simulator adds for the sends, so that the cost model does not charge them twice."""
+    from autopar.profiles.eager import probe_send_s, simulated_sends
+
+    for f, b, d in ((1.0, 2.0, 0.01), (0.3, 0.6, 0.05), (1.0, 1.0, 0.2)):
+        charged = (simulate([f, f], [b, b], pp=2, num_microbatches=m, schedule="1f1b", p2p=d).pipeline_s
+                   - simulate([f, f], [b, b], pp=2, num_microbatches=m, schedule="1f1b").pipeline_s)
+        assert simulated_sends(m, d) * (m + 1) == pytest.approx(charged)
+    table = {"tables": {"p2p": [{"group_size": 2, "alpha_s": 1e-4, "busbw": 6.4e8}]}}
+    assert probe_send_s(table) == pytest.approx(1e-4 + 1e-7)
+    assert probe_send_s(None) == 0.0
