@@ -1,14 +1,14 @@
 """``autopar calibrate`` on CPU ranks (gloo): fit on dp=2 and tp=2 runs of one model, check held-out plans.
 
     python benchmarks/calibrate_cpu.py [--fit-model gpt-tiny] [--models gpt-tiny llama-tiny] [--batch 8] [--seq 32]
-                                       [--profile2 p2.yaml] [--profile4 p4.yaml] [--rounds 2] [--out DIR]
+                                       [--profile2 p2.yaml] [--profile4 p4.yaml] [--rounds 3] [--out DIR]
     python benchmarks/calibrate_cpu.py --refit DIR   # fit again to the runs DIR saved, measuring nothing
 
 1. Base profiles of this machine with 2 and 4 ranks (``autopar profile --quick``, or ``--profile2/--profile4``).
    The 4-rank profile keeps its measured links; its device is the 2-rank device time-sliced by the measured
-   slowdown of one fixed workload run by 4 processes at once against 2 (``time_concurrent``: 4 ranks share 2 cores,
-   and other work on the machine shares them too; measured after the fit, just before the held-out runs, as the
-   median ratio of adjacent pairs), instead
+   slowdown of the fit model's training step run by 4 processes at once against 2 (``time_concurrent``: 4 ranks
+   share 2 cores, and other work on the machine shares them too; measured after the fit, just before the held-out
+   runs, as the median ratio of adjacent pairs), instead
    of a second, noisier device measurement.  Each profile
    carries each op kind's eager overhead (``op_overhead``), so that one fitted ``overhead`` factor carries from the
    fitted model to a model whose ops are of other kinds.
@@ -128,10 +128,11 @@ def main() -> int:
     ap.add_argument("--models", nargs="+", default=["gpt-tiny", "llama-tiny"])
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=40, help="steps per run (the timed ones: all but --warmup and "
+                    "--profiled; per-step times on 4 ranks sharing 2 cores spread 10-25 ms, so many)")
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--profiled", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iterations", type=int, default=2, help="fit / re-plan / re-measure passes (calibrate_loop)")
     ap.add_argument("--profile2", default=None)
     ap.add_argument("--profile4", default=None)
@@ -167,12 +168,14 @@ def main() -> int:
     fit_plans = {k: p for k, (p, _, _) in zip(FIT, runs)}
     fit_meas = {k: m for k, (_, _, m) in zip(FIT, runs)}
     # 4 ranks on this machine's cores: each rank's ops take as much longer as the ranks (and other work) time-slice
-    # the cores.  The 4-rank device is the 2-rank one slowed by that measured factor (one fixed workload run by 4
+    # the cores.  The 4-rank device is the 2-rank one slowed by that measured factor (the fit model's step run by 4
     # processes at once against 2), not a second noisy device measurement; its links are the 4-rank measurement.
     # Measured here, just before the held-out runs, since it depends on what else the machine runs at the time.
     # in adjacent pairs, the median ratio: the two were timed apart before, and the machine's speed moving between
     # them put a single ratio anywhere from 1.7 to 3.0 on the idle VM (paired: 1.74-2.29, median 2.13)
-    pairs = [(time_concurrent(2), time_concurrent(4)) for _ in range(args.slicing_repeats)]
+    pairs = [(time_concurrent(2, model=args.fit_model, seq=args.seq), time_concurrent(4, model=args.fit_model,
+                                                                                   seq=args.seq))
+             for _ in range(args.slicing_repeats)]
     t2, t4 = statistics.median(a for a, _ in pairs), statistics.median(b for _, b in pairs)
     slicing = max(statistics.median(b / a for a, b in pairs), 1.0)
     base[4] = oversubscribed(replace(base[4], device=base[2].device), slicing,
@@ -200,8 +203,8 @@ def main() -> int:
 
     print(f"base profiles: {base[2].name} / {base[4].name}; global batch {args.batch}, seq {args.seq}, float32, "
           f"fastest of {args.rounds} round(s), median of {args.steps - args.warmup - args.profiled} unprofiled steps")
-    print(f"4-rank device: the 2-rank device time-sliced x{slicing:.3g} (4 vs 2 processes of one workload at once: "
-          f"{t4 * 1e3:.0f} / {t2 * 1e3:.0f} ms); per-op overhead by kind (x launch_overhead_s "
+    print(f"4-rank device: the 2-rank device time-sliced x{slicing:.3g} (4 vs 2 processes of {args.fit_model}'s step "
+          f"at once: {t4 * 1e3:.0f} / {t2 * 1e3:.0f} ms); per-op overhead by kind (x launch_overhead_s "
           f"{base[2].device.launch_overhead_s * 1e6:.2f} us): "
           + ", ".join(f"{k} {v:.2f}" for k, v in sorted(base[2].device.op_overhead.items()))
           + "; DTensor dispatch by kind: "

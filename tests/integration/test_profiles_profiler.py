@@ -77,3 +77,13 @@ def test_profiler_processes_fork_from_a_preloaded_server_with_the_callers_enviro
         got = queue.get(timeout=120)
         proc.join()
         assert got == value and proc.exitcode == 0
+
+
+@pytest.mark.multiprocess
+def test_time_slicing_runs_the_miniature_step_or_a_models_own() -> None:
+    """``time_concurrent``'s workload: the miniature training step, or a zoo model's training step (its op mix and
+    working set, what the ranks of an oversubscribed node really switch between)."""
+    from autopar.profiles.eager import time_concurrent
+
+    assert time_concurrent(1, iters=20) > 0
+    assert time_concurrent(2, model="gpt-tiny", seq=16, iters=3) > 0
