@@ -381,7 +381,7 @@ def add_parser(sub: Any) -> None:
     c.add_argument("--model", help="zoo model name or package.module:factory")
     c.add_argument("--cluster", required=True, help="base profile (YAML or built-in) whose coefficients are fitted")
     c.add_argument("-o", "--output", required=True, help="write the fitted profile YAML here (+ .calibration.json)")
-    c.add_argument("--steps", type=int, default=16)
+    c.add_argument("--steps", type=int, default=40, help="steps per run (all but --warmup and --profiled are timed)")
     c.add_argument("--warmup", type=int, default=4, help="steps excluded from the timing")
     c.add_argument("--profiled", type=int, default=4, help="last steps run under torch.profiler (attribution only)")
     c.add_argument("--seq", type=int, default=None, help="sequence length override (as given to autopar run)")

@@ -21,7 +21,7 @@ concurrently (so shared memory bandwidth and cores are contended as in a real ru
   (``runtime_overhead``: AdamW's step per parameter tensor and the ops it dispatches, FSDP2's hooks per unit and
   per parameter tensor, the pipeline schedule's work per micro-batch; in one process of its own, a one-rank gloo
   group, relative to its own op cost per pass; with two ranks or more the pipeline schedule's is measured again on
-  ranks 0 and 1, a two-stage 1F1B with its sends, and that one is kept: on gloo the sends do not overlap compute);
+  ranks 0 and 1, a two-stage 1F1B with its sends (gloo's do not overlap compute) less those the simulator charges);
 - collectives over message sizes (1 KiB .. 64 MiB by powers of 4; ``quick``: 1 KiB .. 16 MiB) on groups of
   2, 4, .. ``ranks`` ranks (every disjoint group of a size at once, as a step's dp or tp groups run):
   ``all_reduce``, ``all_gather_single`` / ``reduce_scatter_single`` (the ``*_into_tensor`` / ``*_tensor`` forms on
@@ -392,8 +392,8 @@ def _worker(rank: int, opts: ProfileOptions, port: int, backend: str, result_pat
             if not cuda and opts.ranks > 1:  # gloo: the pipeline schedule with its sends, on ranks 0 and 1
                 pair = dist.new_group([0, 1]) if opts.ranks > 2 else None
                 if rank < 2:  # rank 0 holds the p2p table (its sends are charged by the schedule simulator)
-                    pipeline = pipeline_overhead_two_ranks(device, rank, max(opts.repeats or 5, TINY_REPEATS), pair,
-                                                           p2p_s=probe_send_s(links))
+                    pipeline = pipeline_overhead_two_ranks(device, rank, max(opts.repeats or 5, 4 * TINY_REPEATS),
+                                                           pair, p2p_s=probe_send_s(links))  # 60: 0.6 s, spread /2
                 dist.barrier()
         finally:
             if prog is not None:
