@@ -281,8 +281,8 @@ def pipeline_overhead_two_ranks(device: torch.device, rank: int, repeats: int, g
     the schedule last).
 
     ``p2p_s``: what the cost model charges for one send between the stages at the probe's size (the profile's p2p
-    table).  The schedule simulator adds it on every dependency between stages, ``m`` of them on this schedule's
-    critical path, so that much is taken out of the measured time here rather than charged twice."""
+    table).  The schedule simulator adds it on every dependency between stages, :func:`simulated_sends` of them on
+    this schedule's critical path, so that much is taken out of the measured time here rather than charged twice."""
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
@@ -440,8 +440,8 @@ def time_concurrent(processes: int, *, iters: int | None = None, threads: int = 
     ranks than cores (or other work on the machine) share the cores, and each rank's every op takes that much
     longer (:func:`oversubscribed`).  The workload is a miniature training step (3000 iterations), or with ``model``
     (a zoo name) that model's training step at batch 2 (100 iterations): processes that switch on a core evict each
-    other's caches, which costs a model's larger working set more (measured here: x2.3-2.7 for gpt-tiny where the
-    miniature gives x2.1)."""
+    other's caches, which costs a model's larger working set more (4 vs 2 processes on 2 cores here: x2.1-2.5 for
+    gpt-tiny, x1.9-2.1 for the miniature)."""
     iters = iters or (100 if model else 3000)
     ctx = process_context()
     barrier, queue = ctx.Barrier(processes), ctx.Queue()
