@@ -324,6 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise
     if dist.get_rank() != 0:  # informational messages (checkpoint saved, resumed...) once, from rank 0
         logging.getLogger().setLevel(logging.WARNING)
+    done = False
     try:
         report = run_worker(args)
         if dist.get_rank() == 0:
@@ -333,12 +334,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 from autopar.ir.safe_yaml import write_atomic
 
                 write_atomic(args.report, json.dumps(report, indent=1))
+        done = True
     except BaseException as e:
         _record_failure(e)
         raise
     finally:
-        try:  # every rank finishes before any tears down (gloo aborts a peer whose connections close early)
-            dist.barrier()
+        try:  # every rank finishes before any tears down (gloo aborts a peer whose connections close early); a
+            # failed rank does not wait: its peers may be in a step's collective, which a barrier would never match
+            if done:
+                dist.barrier()
         finally:
             dist.destroy_process_group()
     return 0
