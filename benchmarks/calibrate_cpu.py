@@ -39,6 +39,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, replace
+from functools import partial
 from pathlib import Path
 
 from autopar import ir
@@ -48,6 +49,7 @@ from autopar.planner.calibrate import (
     calibrate_loop,
     link_groups,
     measure_plan,
+    model_step,
     plan_graph,
     predict,
 )
@@ -173,8 +175,8 @@ def main() -> int:
     # Measured here, just before the held-out runs, since it depends on what else the machine runs at the time.
     # in adjacent pairs, the median ratio: the two were timed apart before, and the machine's speed moving between
     # them put a single ratio anywhere from 1.7 to 3.0 on the idle VM (paired: 1.74-2.29, median 2.13)
-    pairs = [(time_concurrent(2, model=args.fit_model, seq=args.seq), time_concurrent(4, model=args.fit_model,
-                                                                                   seq=args.seq))
+    step = partial(model_step, args.fit_model, args.seq)
+    pairs = [(time_concurrent(2, workload=step), time_concurrent(4, workload=step))
              for _ in range(args.slicing_repeats)]
     t2, t4 = statistics.median(a for a, _ in pairs), statistics.median(b for _, b in pairs)
     slicing = max(statistics.median(b / a for a, b in pairs), 1.0)

@@ -54,6 +54,7 @@ __all__ = [
     "determined",
     "load_factors",
     "measure_plan",
+    "model_step",
     "observation",
     "plan_pins",
     "predict",
@@ -148,6 +149,23 @@ def measure_plan(plan_path: str | Path, model: str, *, steps: int = 16, warmup: 
         scaled.append({c: r[c] * k for c in (*attribution.CATEGORIES, "matmul", "step")})
     return RunMeasurement(plan_path=str(plan_path), model=model, mesh=(plan.mesh.pp, plan.mesh.dp, plan.mesh.tp),
                           step_s=step_s, ranks=scaled, seq=seq)
+
+
+def model_step(model: str, seq: int | None = None) -> Callable[[], None]:
+    """A training step of zoo ``model`` at batch 2 on CPU (forward, the output's sum as the loss, backward): with
+    ``functools.partial``, the workload of :func:`autopar.profiles.eager.time_concurrent` for the time-slicing factor
+    of that model's ranks on oversubscribed cores."""
+    import torch
+
+    from autopar.zoo import build
+
+    spec = build(model, batch=2, device="cpu", seq=seq)
+
+    def step() -> None:
+        out = spec.model(*spec.example_inputs)
+        (out if isinstance(out, torch.Tensor) else out[0]).float().sum().backward()
+
+    return step
 
 
 def plan_pins(plan: Plan) -> dict[str, int | str]:

@@ -401,16 +401,11 @@ def _time_calls(fn: Callable[[], Any], sync: Callable[[], None], repeats: int, i
         samples.append((time.perf_counter() - t0) / inner)
     return statistics.median(samples)
 
-def _slicing_worker(barrier: Any, queue: Any, iters: int, threads: int, model: str | None, seq: int | None) -> None:
+def _slicing_worker(barrier: Any, queue: Any, iters: int, threads: int,
+                    workload: Callable[[], Callable[[], None]] | None) -> None:
     torch.set_num_threads(threads)
-    if model:  # a training step of the model itself (batch 2): its op mix and its memory footprint
-        from autopar.zoo import build
-
-        spec = build(model, batch=2, device="cpu", seq=seq)
-
-        def work() -> None:
-            out = spec.model(*spec.example_inputs)
-            (out if isinstance(out, torch.Tensor) else out[0]).float().sum().backward()
+    if workload is not None:  # e.g. a model's own training step: its op mix and its memory footprint
+        work = workload()
     else:
         a = torch.randn(64, 64)
         leaf = torch.ones(8, requires_grad=True)
@@ -432,21 +427,22 @@ def _slicing_worker(barrier: Any, queue: Any, iters: int, threads: int, model: s
     queue.put(time.perf_counter() - t0)
 
 
-def time_concurrent(processes: int, *, iters: int | None = None, threads: int = 1, model: str | None = None,
-                    seq: int | None = None) -> float:
+def time_concurrent(processes: int, *, iters: int | None = None, threads: int = 1,
+                    workload: Callable[[], Callable[[], None]] | None = None) -> float:
     """Median wall seconds of a fixed CPU workload run by ``processes`` processes at once (started together).
 
     Against the same with fewer processes, this is the time-slicing factor of an oversubscribed CPU node: more
     ranks than cores (or other work on the machine) share the cores, and each rank's every op takes that much
-    longer (:func:`oversubscribed`).  The workload is a miniature training step (3000 iterations), or with ``model``
-    (a zoo name) that model's training step at batch 2 (100 iterations): processes that switch on a core evict each
-    other's caches, which costs a model's larger working set more (4 vs 2 processes on 2 cores here: x2.1-2.5 for
-    gpt-tiny, x1.9-2.1 for the miniature)."""
-    iters = iters or (100 if model else 3000)
+    longer (:func:`oversubscribed`).  The workload is a miniature training step (3000 iterations), or what
+    ``workload()`` returns, called in each process (picklable; 100 iterations), e.g. a model's own training step
+    (:func:`autopar.planner.calibrate.model_step`): processes that switch on a core evict each other's caches,
+    which costs a model's larger working set more (4 vs 2 processes on 2 cores here: x2.1-2.5 for gpt-tiny, x1.9-2.1
+    for the miniature)."""
+    iters = iters or (100 if workload is not None else 3000)
     ctx = process_context()
     barrier, queue = ctx.Barrier(processes), ctx.Queue()
     env = dict(os.environ)
-    procs = [ctx.Process(target=with_env, args=(env, _slicing_worker, barrier, queue, iters, threads, model, seq))
+    procs = [ctx.Process(target=with_env, args=(env, _slicing_worker, barrier, queue, iters, threads, workload))
              for _ in range(processes)]
     for p in procs:
         p.start()

@@ -83,7 +83,10 @@ def test_profiler_processes_fork_from_a_preloaded_server_with_the_callers_enviro
 def test_time_slicing_runs_the_miniature_step_or_a_models_own() -> None:
     """``time_concurrent``'s workload: the miniature training step, or a zoo model's training step (its op mix and
     working set, what the ranks of an oversubscribed node really switch between)."""
+    from functools import partial
+
+    from autopar.planner.calibrate import model_step
     from autopar.profiles.eager import time_concurrent
 
     assert time_concurrent(1, iters=20) > 0
-    assert time_concurrent(2, model="gpt-tiny", seq=16, iters=3) > 0
+    assert time_concurrent(2, workload=partial(model_step, "gpt-tiny", 16), iters=3) > 0
