@@ -174,7 +174,7 @@ def main() -> int:
     # processes at once against 2), not a second noisy device measurement; its links are the 4-rank measurement.
     # Measured here, just before the held-out runs, since it depends on what else the machine runs at the time.
     # in adjacent pairs, the median ratio: the two were timed apart before, and the machine's speed moving between
-    # them put a single ratio anywhere from 1.7 to 3.0 on the idle VM (paired: 1.74-2.29, median 2.13)
+    # them put a single ratio of the miniature step anywhere from 1.7 to 3.0 on the idle VM (paired: 1.74-2.29)
     step = partial(model_step, args.fit_model, args.seq)
     pairs = [(time_concurrent(2, workload=step), time_concurrent(4, workload=step))
              for _ in range(args.slicing_repeats)]
