@@ -82,21 +82,32 @@ def fix_grad_placements(params: list[nn.Parameter]) -> None:
             p.grad = p.grad.redistribute(p.device_mesh, p.placements)
 
 
-@torch.no_grad()
-def allreduce_grads(params: list[nn.Parameter], group: dist.ProcessGroup, *, average: bool) -> None:
-    """All-reduce the local gradients of ``params`` over ``group`` in one flattened buffer."""
+def _flat_grads(params: list[nn.Parameter]) -> tuple[list[torch.Tensor], torch.Tensor] | None:
+    """The local gradients of ``params`` (those that have one) and one flattened copy of them (None: no gradient)."""
     grads = [g for g in (local_grad(p) for p in params) if g is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    if average:
-        flat /= dist.get_world_size(group)
+    return (grads, torch.cat([g.reshape(-1) for g in grads])) if grads else None
+
+
+def _unflatten_into(grads: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """Write ``flat`` (as :func:`_flat_grads` laid it out) back into ``grads``."""
     off = 0
     for g in grads:
         n = g.numel()
         g.copy_(flat[off:off + n].view_as(g))
         off += n
+
+
+@torch.no_grad()
+def allreduce_grads(params: list[nn.Parameter], group: dist.ProcessGroup, *, average: bool) -> None:
+    """All-reduce the local gradients of ``params`` over ``group`` in one flattened buffer."""
+    got = _flat_grads(params)
+    if got is None:
+        return
+    grads, flat = got
+    dist.all_reduce(flat, group=group)
+    if average:
+        flat /= dist.get_world_size(group)
+    _unflatten_into(grads, flat)
 
 
 class GradSync:
@@ -160,9 +171,9 @@ class GradSync:
     def _issue(self, i: int) -> None:
         self._issued.add(i)
         fix_grad_placements(self.units[i])
-        grads = [g for g in (local_grad(p) for p in self.units[i]) if g is not None]
-        if grads:
-            flat = torch.cat([g.reshape(-1) for g in grads])
+        got = _flat_grads(self.units[i])
+        if got is not None:
+            grads, flat = got
             work = dist.all_reduce(flat, group=self.group, async_op=True)
             self._pending.append((grads, flat, work, self.active))
 
@@ -183,9 +194,6 @@ class GradSync:
             size = dist.get_world_size(self.group)
             for grads, flat, _, early in self._pending:
                 flat /= size * (self.later_scale if early else 1)
-                off = 0
-                for g in grads:
-                    g.copy_(flat[off:off + g.numel()].view_as(g))
-                    off += g.numel()
+                _unflatten_into(grads, flat)
         finally:
             self._reset()
