@@ -152,18 +152,16 @@ def measure_plan(plan_path: str | Path, model: str, *, steps: int = 16, warmup: 
 
 
 def model_step(model: str, seq: int | None = None) -> Callable[[], None]:
-    """A training step of zoo ``model`` at batch 2 on CPU (forward, the output's sum as the loss, backward): with
+    """A training step of zoo ``model`` at batch 2 on CPU (forward, the zoo's loss for it, backward): with
     ``functools.partial``, the workload of :func:`autopar.profiles.eager.time_concurrent` for the time-slicing factor
     of that model's ranks on oversubscribed cores."""
-    import torch
-
     from autopar.zoo import build
 
     spec = build(model, batch=2, device="cpu", seq=seq)
+    target = spec.make_target(2, "cpu")
 
     def step() -> None:
-        out = spec.model(*spec.example_inputs)
-        (out if isinstance(out, torch.Tensor) else out[0]).float().sum().backward()
+        spec.loss_fn(spec.model(*spec.example_inputs), target).backward()
 
     return step
 
