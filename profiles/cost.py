@@ -56,11 +56,13 @@ from typing import Final
 from autopar.profiles.schema import (
     COLLECTIVES,
     OP_KINDS,
+    PIPELINE_CASES,
     AlphaBeta,
     ClusterProfile,
     EfficiencyPoint,
     LinkProfile,
     SeqEfficiencyPoint,
+    pipeline_key,
 )
 
 __all__ = [
@@ -285,6 +287,36 @@ class CostModel:
         """Seconds of the runtime's eager work ``kind`` (``DeviceProfile.runtime_overhead``; 0 when not measured)."""
         dev = self.profile.device
         return dev.launch_overhead_s * dev.runtime_overhead.get(kind, 0.0)
+
+    def pipeline_overhead(self, schedule: str, microbatches: int) -> float:
+        """Seconds of the pipeline schedule's work per stage and micro-batch slot for ``schedule`` at
+        ``microbatches``: the profile's measured cases of that schedule (``pipeline_<schedule>_<m>``, see
+        :mod:`autopar.profiles.syncs`; interleaved 1F1B reads 1F1B's) interpolated linearly in ``log2(m)`` and clamped
+        at the ends, else ``pipeline_microbatch`` (one case, 1F1B with 8 micro-batches)."""
+        table = self.profile.device.runtime_overhead
+        kind = "gpipe" if schedule == "gpipe" else "1f1b"
+        pts = sorted((m, table[pipeline_key(k, m)]) for k, m in PIPELINE_CASES
+                     if k == kind and pipeline_key(k, m) in table)
+        if not pts:
+            return self.runtime_overhead("pipeline_microbatch")
+        x = math.log2(max(microbatches, 1))
+        units = pts[0][1] if x <= math.log2(pts[0][0]) else pts[-1][1]
+        for (m0, v0), (m1, v1) in zip(pts, pts[1:]):
+            a, b = math.log2(m0), math.log2(m1)
+            if a <= x <= b:
+                units = v0 + (v1 - v0) * (x - a) / (b - a)
+        return units * self.profile.device.launch_overhead_s
+
+    def loss_sync(self, world: int, span: GroupSpan | None = None) -> float:
+        """Seconds of the training loop's loss sync, an all-reduce of one float over ``world`` ranks after the
+        step's compute: the profile's measurement (``runtime_overhead["loss_sync"]``, over all its ranks) when
+        ``world`` is the profile's, else the all-reduce table at 4 bytes over ``span`` (default: ``span(world)``)."""
+        if world <= 1:
+            return 0.0
+        measured = self.profile.device.runtime_overhead.get("loss_sync")
+        if measured is not None and world == self.profile.world_size:
+            return measured * self.profile.device.launch_overhead_s
+        return self.collective_time("all_reduce", 4, span=span or self.span(world))
 
     def optimizer_eager(self, tensors: float, dtensor: bool) -> float:
         """Eager time of one optimizer step over ``tensors`` parameter tensors, on DTensor parameters (tensor

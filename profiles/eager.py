@@ -271,7 +271,7 @@ def _pipeline_overhead(device: torch.device, sync: Callable[[], None], repeats: 
 
 
 def pipeline_overhead_two_ranks(device: torch.device, rank: int, repeats: int, group: Any = None,
-                                microbatches: int = 8, p2p_s: float = 0.0) -> float:
+                                microbatches: int = 8, p2p_s: float = 0.0, schedule: str = "1f1b") -> float:
     """Seconds per micro-batch and stage that a two-stage 1F1B schedule on ranks 0 and 1 (``rank``, in ``group``)
     adds to each stage's forward and backward, its sends and receives included: with NCCL they overlap compute, on
     gloo each stage waits for every activation and gradient, in the steady state too.  The schedule's time over the
@@ -282,20 +282,26 @@ def pipeline_overhead_two_ranks(device: torch.device, rank: int, repeats: int, g
 
     ``p2p_s``: what the cost model charges for one send between the stages at the probe's size (the profile's p2p
     table).  The schedule simulator adds it on every dependency between stages, :func:`simulated_sends` of them on
-    this schedule's critical path, so that much is taken out of the measured time here rather than charged twice."""
+    this schedule's critical path, so that much is taken out of the measured time here rather than charged twice.
+
+    ``schedule``: ``"1f1b"`` (the profile's probe) or ``"gpipe"`` (the only one of the two that runs one micro-batch;
+    ``benchmarks/cpu_sync_costs.py`` compares them across ``microbatches``)."""
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     m = microbatches
     net, x, tgt, loss_fn = _pipeline_probe(device, m)
     stage = PipelineStage(net, rank, 2, device, group=group)  # shapes inferred on the first step
-    schedule = Schedule1F1B(stage, n_microbatches=m, loss_fn=loss_fn)
+    kinds = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+    if schedule not in kinds:
+        raise ValueError(f"unknown schedule {schedule!r}; expected one of {', '.join(kinds)}")
+    sched = kinds[schedule](stage, n_microbatches=m, loss_fn=loss_fn)
 
     def scheduled() -> None:
         if rank == 0:
-            schedule.step(x)
+            sched.step(x)
         else:
-            schedule.step(target=tgt, losses=[])
+            sched.step(target=tgt, losses=[])
 
     def plain() -> None:
         for xi in torch.chunk(x, m):
@@ -312,14 +318,15 @@ def pipeline_overhead_two_ranks(device: torch.device, rank: int, repeats: int, g
         timed(plain)
     # adjacent pairs (see _paired_extra): the machine's speed, which moves over seconds, cancels in each difference
     pairs = [timed(scheduled) / (m + 1) - timed(plain) / m for _ in range(max(repeats, 1))]
-    return max(statistics.median(pairs) - simulated_sends(m, p2p_s), 0.0)
+    return max(statistics.median(pairs) - simulated_sends(m, p2p_s, schedule), 0.0)
 
 
-def simulated_sends(m: int, p2p_s: float) -> float:
-    """Per micro-batch slot, the sends the schedule simulator charges a two-stage 1F1B of ``m`` micro-batches:
-    ``2 * ceil(m / 2)`` on its critical path (:func:`autopar.planner.inter_op.schedule.simulate`), over its ``m + 1``
-    slots."""
-    return 2 * ((m + 1) // 2) * p2p_s / (m + 1)
+def simulated_sends(m: int, p2p_s: float, schedule: str = "1f1b") -> float:
+    """Per micro-batch slot, the sends the schedule simulator charges a two-stage schedule of ``m`` micro-batches on
+    its critical path (:func:`autopar.planner.inter_op.schedule.simulate`), over its ``m + 1`` slots: 1F1B crosses
+    between the stages ``2 * ceil(m / 2)`` times, GPipe twice (the first forward and the last backward)."""
+    sends = 2 if schedule == "gpipe" else 2 * ((m + 1) // 2)
+    return sends * p2p_s / (m + 1)
 
 
 def probe_send_s(links: dict[str, Any] | None) -> float:
@@ -455,8 +462,10 @@ def time_concurrent(processes: int, *, iters: int | None = None, threads: int = 
 def oversubscribed(profile: ClusterProfile, slowdown: float, *, note: str = "") -> ClusterProfile:
     """``profile`` with every device time (arithmetic, memory traffic, per-op overhead) ``slowdown`` times longer:
     the device of a node whose ranks share fewer cores than they need (e.g. a 2-rank CPU profile carried to 4 ranks
-    on the same 2 cores, ``slowdown = time_concurrent(4) / time_concurrent(2)``), all of them computing at once, and
-    ``shared_cores = devices_per_node / slowdown`` (what fewer ranks computing get).  Links are left as they are."""
+    on the same 2 cores, ``slowdown = time_concurrent(4) / time_concurrent(2)``), all of them computing at once.
+    Ranks that compute while others wait are charged the same (no ``shared_cores``): measured here, two two-stage
+    pipelines on 4 ranks took x1.8-2.7 the step of one on 2 ranks (``benchmarks/cpu_sync_costs.py``), where a stage
+    computing beside a waiting one would have a core to itself (x1).  Links are left as they are."""
     if not slowdown > 0:
         raise ValueError(f"slowdown must be positive, got {slowdown}")
     import dataclasses
@@ -464,13 +473,12 @@ def oversubscribed(profile: ClusterProfile, slowdown: float, *, note: str = "") 
     dev = profile.device
     tag = note or f"time-sliced x{slowdown:.3g}"
     sources = dict(dev.sources)
-    sources["shared_cores"] = f"{profile.devices_per_node} ranks / {tag}"
     for k in ("peak_flops", "vector_flops", "memory_bandwidth", "launch_overhead_s"):
         sources[k] = f"{sources.get(k, '')}; {tag}".lstrip("; ")
     device = dataclasses.replace(
         dev, peak_flops={k: v / slowdown for k, v in dev.peak_flops.items()},
         vector_flops=None if dev.vector_flops is None else dev.vector_flops / slowdown,
         memory_bandwidth=dev.memory_bandwidth / slowdown, launch_overhead_s=dev.launch_overhead_s * slowdown,
-        shared_cores=profile.devices_per_node / slowdown, sources=sources)
+        sources=sources)
     return dataclasses.replace(profile, device=device)
 

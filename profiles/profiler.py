@@ -20,8 +20,8 @@ concurrently (so shared memory bandwidth and cores are contended as in a real ru
   multiply per pass here, a view about half); on CPU also the runtime's eager work beyond the model's ops
   (``runtime_overhead``: AdamW's step per parameter tensor and the ops it dispatches, FSDP2's hooks per unit and
   per parameter tensor, the pipeline schedule's work per micro-batch; in one process of its own, a one-rank gloo
-  group, relative to its own op cost per pass; with two ranks or more the pipeline schedule's is measured again on
-  ranks 0 and 1, a two-stage 1F1B with its sends (gloo's do not overlap compute) less those the simulator charges);
+  group, relative to its own op cost per pass; with two ranks or more, two-stage GPipe and 1F1B schedules at several
+  micro-batch counts with their sends on every rank pair at once, and the loss sync after compute (:mod:`.syncs`));
 - collectives over message sizes (1 KiB .. 64 MiB by powers of 4; ``quick``: 1 KiB .. 16 MiB) on groups of
   2, 4, .. ``ranks`` ranks (every disjoint group of a size at once, as a step's dp or tp groups run):
   ``all_reduce``, ``all_gather_single`` / ``reduce_scatter_single`` (the ``*_into_tensor`` / ``*_tensor`` forms on
@@ -66,7 +66,6 @@ from autopar.profiles.eager import (  # noqa: F401  (re-exported: the profiler's
     _training_op_overhead,
     measure_runtime_overheads,
     oversubscribed,
-    pipeline_overhead_two_ranks,
     probe_send_s,
     process_context,
     time_concurrent,
@@ -75,7 +74,8 @@ from autopar.profiles.eager import (  # noqa: F401  (re-exported: the profiler's
 from autopar.profiles.fit import busbw_from_beta, fit_alpha_beta
 from autopar.profiles.profiler_args import build_parser
 from autopar.profiles.rates import attention_curve, time_matmul, vector_rate
-from autopar.profiles.schema import SCHEMA_VERSION, ClusterProfile, profile_from_dict, save_profile
+from autopar.profiles.schema import SCHEMA_VERSION, ClusterProfile, pipeline_key, profile_from_dict, save_profile
+from autopar.profiles.syncs import REFERENCE_CASE, loss_sync_under_load, pipeline_overheads
 
 __all__ = [
     "ProfileOptions",
@@ -389,18 +389,19 @@ def _worker(rank: int, opts: ProfileOptions, port: int, backend: str, result_pat
             torch.set_num_threads(1)
             links = _measure_links(opts, device, rank, prog) if opts.ranks > 1 else None
             pipeline = None
-            if not cuda and opts.ranks > 1:  # gloo: the pipeline schedule with its sends, on ranks 0 and 1
-                pair = dist.new_group([0, 1]) if opts.ranks > 2 else None
-                if rank < 2:  # rank 0 holds the p2p table (its sends are charged by the schedule simulator)
-                    pipeline = pipeline_overhead_two_ranks(device, rank, max(opts.repeats or 5, 4 * TINY_REPEATS),
-                                                           pair, p2p_s=probe_send_s(links))  # 60: 0.6 s, spread /2
+            if not cuda and opts.ranks > 1:  # gloo: the pipeline schedules (their sends too) on every pair at once
+                pairs = [dist.new_group([i, i + 1]) for i in range(0, opts.ranks - 1, 2)] if opts.ranks > 2 else [None]
+                if rank // 2 < len(pairs):  # rank 0 holds the p2p table (the simulator charges the sends)
+                    pipeline = pipeline_overheads(device, rank % 2, max(opts.repeats or 5, 4 * TINY_REPEATS),
+                                                  pairs[rank // 2], p2p_s=probe_send_s(links))  # 60 pairs: spread /2
                 dist.barrier()
+                pipeline = {**(pipeline or {}), "loss_sync": loss_sync_under_load()}
         finally:
             if prog is not None:
                 prog.stop()
         if rank == 0:
             Path(result_path).write_text(json.dumps({"device": dev, "links": links, "threads": threads,
-                                                     "pipeline_microbatch_s": pipeline}))
+                                                     "syncs_s": pipeline}))
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -437,14 +438,13 @@ def _measure(opts: ProfileOptions) -> tuple[ClusterProfile, dict[str, Any]]:
         dev["sources"]["runtime_overhead"] = dev["sources"]["op_overhead"] + " (one process)"
         dev["sources"]["dtensor_op_overhead"] = (dev["sources"]["op_overhead"] + " (one process: each kind's chain on "
                                                  "replicated DTensors of a one-rank mesh less on plain tensors)")
-        if data.get("pipeline_microbatch_s") is not None:  # the two-rank schedule (its sends too) replaces it
-            dev["runtime_overhead"]["pipeline_microbatch"] = data["pipeline_microbatch_s"] / dev["launch_overhead_s"]
-            dev["sources"]["runtime_overhead"] += "; pipeline_microbatch: a two-rank 1F1B schedule with its sends"
+        syncs = data.get("syncs_s") or {}  # with 2+ ranks: the schedules and the loss sync, measured
+        dev["runtime_overhead"].update({k: v / dev["launch_overhead_s"] for k, v in syncs.items()})
+        if pipeline_key(*REFERENCE_CASE) in syncs:  # the two-rank schedule (its sends too) replaces the one-rank one
+            dev["runtime_overhead"]["pipeline_microbatch"] = dev["runtime_overhead"][pipeline_key(*REFERENCE_CASE)]
+            dev["sources"]["runtime_overhead"] += ("; pipeline_*: two-stage schedules with their sends on every rank "
+                                                   "pair at once; loss_sync: a one-float all-reduce after compute")
         dev["overlap_slowdown"], dev["sources"]["overlap_slowdown"] = 1.0, "gloo: collectives share the ranks' cores"
-        cores = (os.cpu_count() or 1) / data["threads"]
-        if opts.ranks > cores:  # the rates above are those of all ranks at once, time-slicing the cores
-            dev["shared_cores"] = cores
-            dev["sources"]["shared_cores"] = f"{os.cpu_count()} cores / {data['threads']} threads per rank"
     links: dict[str, Any] = {}
     if data["links"] is not None:
         links["intra_node"] = data["links"]["tables"]

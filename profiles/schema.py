@@ -44,6 +44,7 @@ from autopar.profiles.validate import (
     _Loader,
     _mapping,
     _num,
+    _op_overhead,
     _str,
     _str_map,
 )
@@ -51,6 +52,8 @@ from autopar.profiles.validate import (
 __all__ = [
     "SCHEMA_VERSION",
     "COLLECTIVES",
+    "PIPELINE_CASES",
+    "pipeline_key",
     "LEVELS",
     "DTYPES",
     "ProfileError",
@@ -76,8 +79,17 @@ OP_KINDS: tuple[str, ...] = (
     "view", "other",
 )
 """The IR op kinds the cost model costs (``profiles.cost``), and a device's ``op_overhead`` keys."""
+PIPELINE_CASES: tuple[tuple[str, int], ...] = (("gpipe", 1), ("gpipe", 2), ("gpipe", 8), ("1f1b", 2), ("1f1b", 8))
+"""The (schedule, micro-batches) cases ``autopar profile`` times the pipeline schedule's overhead at (gloo)."""
+
+
+def pipeline_key(schedule: str, microbatches: int) -> str:
+    """The ``runtime_overhead`` key of the pipeline schedule's overhead per slot measured at one case."""
+    return f"pipeline_{schedule}_{microbatches}"
+
+
 RUNTIME_KINDS: tuple[str, ...] = ("optimizer_tensor", "optimizer_dtensor", "fsdp_unit", "fsdp_tensor",
-                                  "pipeline_microbatch")
+                                  "pipeline_microbatch", "loss_sync", *(pipeline_key(*c) for c in PIPELINE_CASES))
 """A device's ``runtime_overhead`` keys (see :class:`DeviceProfile`)."""
 DTYPES: tuple[str, ...] = ("float32", "tf32", "float16", "bfloat16")
 Level = Literal["intra_node", "inter_node"]
@@ -149,10 +161,9 @@ class DeviceProfile:
     """Forward + backward efficiency of causal flash attention against sequence length, sorted by ``seq``; empty:
     causal attention is costed through the matmul table at half its FLOPs."""
     shared_cores: float | None = None
-    """A CPU node with more ranks than cores: the cores' worth of compute its ``devices_per_node`` ranks time-slice
-    (``autopar profile``: cpu_count over threads per rank). The rates here are then those of every rank running at
-    once, and ranks that compute while others wait (a pipeline's fill and drain) get the cores those leave
-    (:mod:`autopar.planner.inter_op.schedule`). None: each rank has a device of its own."""
+    """A CPU node with more ranks than cores, the rates here those of every rank at once: the cores' worth of compute
+    its ranks time-slice, so that ranks that compute while others wait (a pipeline's fill and drain) get the cores
+    those leave (:mod:`autopar.planner.inter_op.schedule`). None: the rates hold throughout (``autopar profile``)."""
     overlap_slowdown: float = 0.0
     """Compute seconds lost per second of communication overlapped with it, in [0, 1]: collective kernels take SMs
     and HBM bandwidth from the compute kernels they run beside (Galvatron's overlap coefficient, Miao et al.,
@@ -175,11 +186,11 @@ class DeviceProfile:
     """Eager costs of the training runtime beyond the model's ops, in ``launch_overhead_s`` units (missing: 0, as
     on GPUs, where this host work runs ahead of the kernels): ``optimizer_tensor``, one parameter tensor's optimizer
     step (AdamW's per-tensor path on plain tensors); ``optimizer_dtensor``, the same on DTensor parameters (tensor
-    parallelism, FSDP), where each op of the step pays DTensor's dispatch;
-    ``fsdp_unit`` and ``fsdp_tensor``, FSDP2's per-micro-batch work per unit and per parameter tensor (pre/post
-    forward and backward hooks, all-gather copy-in/out, reduce-scatter copy-in, DTensor wrapping; collectives
-    excluded); ``pipeline_microbatch``, the pipeline schedule's work per stage and micro-batch (the stage's
-    input/output bookkeeping and its backward call)."""
+    parallelism, FSDP), where each op of the step pays DTensor's dispatch; ``fsdp_unit`` and ``fsdp_tensor``, FSDP2's
+    per-micro-batch work per unit and per parameter tensor (pre/post forward and backward hooks, all-gather
+    copy-in/out, reduce-scatter copy-in, DTensor wrapping; collectives excluded); ``pipeline_microbatch``, the
+    pipeline schedule's work per stage and micro-batch, and ``pipeline_<schedule>_<m>`` the same per case of
+    :data:`PIPELINE_CASES`; ``loss_sync``, the loop's one-float all-reduce after compute (:mod:`.syncs`)."""
     sources: dict[str, str] = field(default_factory=dict)
     """Field name -> where its number comes from."""
 
@@ -317,15 +328,6 @@ def _seq_efficiency(v: Any, path: str) -> tuple[SeqEfficiencyPoint, ...]:
     return tuple(pts)
 
 
-def _op_overhead(v: Any, path: str, kinds: tuple[str, ...] = OP_KINDS) -> dict[str, float]:
-    out = {}
-    for k, x in _mapping(v, path).items():
-        if k not in kinds:
-            raise _fail(f"{path}.{k}", f"unknown kind (allowed: {', '.join(kinds)})")
-        out[str(k)] = _num(x, f"{path}.{k}", allow_zero=True)
-    return out
-
-
 def _device(v: Any, path: str) -> DeviceProfile:
     d = _mapping(v, path)
     req = {"name", "memory_bytes", "peak_flops", "matmul_efficiency", "memory_bandwidth", "launch_overhead_s"}
@@ -364,8 +366,9 @@ def _device(v: Any, path: str) -> DeviceProfile:
         overlap_slowdown=slow,
         shared_cores=None if d.get("shared_cores") is None else _num(d["shared_cores"], _join(path, "shared_cores")),
         sharded_op_overhead=_num(d.get("sharded_op_overhead", 1.0), _join(path, "sharded_op_overhead")),
-        op_overhead=_op_overhead(d.get("op_overhead", {}), _join(path, "op_overhead")),
-        dtensor_op_overhead=_op_overhead(d.get("dtensor_op_overhead", {}), _join(path, "dtensor_op_overhead")),
+        op_overhead=_op_overhead(d.get("op_overhead", {}), _join(path, "op_overhead"), OP_KINDS),
+        dtensor_op_overhead=_op_overhead(d.get("dtensor_op_overhead", {}), _join(path, "dtensor_op_overhead"),
+                                         OP_KINDS),
         runtime_overhead=_op_overhead(d.get("runtime_overhead", {}), _join(path, "runtime_overhead"), RUNTIME_KINDS),
         causal_attention_efficiency=_seq_efficiency(d.get("causal_attention_efficiency", []),
                                                     _join(path, "causal_attention_efficiency")),

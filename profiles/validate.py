@@ -93,3 +93,13 @@ def _str_map(v: Any, path: str) -> dict[str, str]:
     return {str(k): _str(x, _join(path, str(k))) for k, x in d.items()}
 
 
+
+
+def _op_overhead(v: Any, path: str, kinds: tuple[str, ...]) -> dict[str, float]:
+    """A mapping of ``kinds`` (a subset) to non-negative numbers."""
+    out = {}
+    for k, x in _mapping(v, path).items():
+        if k not in kinds:
+            raise _fail(f"{path}.{k}", f"unknown kind (allowed: {', '.join(kinds)})")
+        out[str(k)] = _num(x, f"{path}.{k}", allow_zero=True)
+    return out

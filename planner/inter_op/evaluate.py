@@ -127,9 +127,7 @@ def _loss_sync(cost: CostModel, world: int) -> float:
     Pure latency: tens of microseconds on GPUs, against steps of seconds; with CPU ranks that time-slice their cores
     it is milliseconds (every rank must be scheduled), which the measured steps show as time after the last rank's
     work."""
-    if world <= 1:
-        return 0.0
-    return cost.collective_time("all_reduce", DTYPE_BYTES["float32"], span=_span_within(cost, world))
+    return cost.loss_sync(world, _span_within(cost, world)) if world > 1 else 0.0
 
 
 def _span_within(cost: CostModel, size: int, stride: int = 1) -> GroupSpan:
@@ -192,7 +190,7 @@ def evaluate_stages(table: LayerTable, s: Screened, cost: CostModel, options: Pl
         bwd.append(sum(tab.bwd[a:b]) + sum(tab.recompute_fwd[rc][a:b]))
         tp_comm[k % pp] += sum(sol.fwd_comm_s + sol.bwd_comm_s for sol in tab.solutions[a:b])
     if pp > 1:  # the pipeline schedule's eager work per chunk and micro-batch, half in each pass
-        pm = [tc[k % pp][1].runtime_overhead("pipeline_microbatch") / 2 for k in range(len(chunks))]
+        pm = [tc[k % pp][1].pipeline_overhead(c.schedule, c.num_microbatches) / 2 for k in range(len(chunks))]
         fwd, bwd = [f + x for f, x in zip(fwd, pm)], [b + x for b, x in zip(bwd, pm)]
     p2p = list(p2p_s) or [cost.p2p_time(table.out_bytes[b - 1], intra_node=p2p_intra) for _, b in chunks[:-1]]
     ranks, opt = [], 0.0

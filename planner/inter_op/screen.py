@@ -367,7 +367,7 @@ def screen(cand: Candidate, table: LayerTable, cost: CostModel, *, dtype: str, c
     if got is None:
         return None
     chunks, sum_times, p2p, ranks, alike = got
-    pm = cost.runtime_overhead("pipeline_microbatch") if pp > 1 else 0.0  # the schedule's work per chunk and mb
+    pm = cost.pipeline_overhead(cand.schedule, m) if pp > 1 else 0.0  # the schedule's work per chunk and mb
     busiest = max(r[0] for r in ranks) + v * pm
     sum_times += k * pm
     if cand.schedule == "interleaved_1f1b":

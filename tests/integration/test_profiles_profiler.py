@@ -10,6 +10,7 @@ import torch
 
 from autopar.profiles import CostModel, load_profile
 from autopar.profiles.profiler import default_message_sizes, run_profile_command
+from autopar.profiles.schema import PIPELINE_CASES, pipeline_key
 
 
 def test_default_message_sizes() -> None:
@@ -35,14 +36,18 @@ def test_quick_profile_two_ranks(tmp_path) -> None:
     assert cm.matmul_time(m=128, n=128, k=128) > 0
     with pytest.raises(ValueError, match="inter_node"):
         cm.p2p_time(1024, intra_node=False)
-    # the pipeline schedule's work per micro-batch and stage comes from a two-rank 1F1B with its sends: on gloo a
-    # stage waits for each activation and gradient, which a one-rank schedule cannot show
-    assert "two-rank 1F1B" in prof.device.sources["runtime_overhead"]
+    # the pipeline schedule's work per micro-batch and stage comes from two-stage schedules with their sends, per
+    # schedule and micro-batch count: on gloo a stage waits for each activation and gradient, which a one-rank
+    # schedule cannot show; and the loss sync is the one-float all-reduce after compute
+    assert "two-stage schedules" in prof.device.sources["runtime_overhead"]
+    assert {pipeline_key(*c) for c in PIPELINE_CASES} | {"loss_sync"} <= set(prof.device.runtime_overhead)
     assert 0 < cm.runtime_overhead("pipeline_microbatch") < 0.1
+    assert cm.pipeline_overhead("1f1b", 8) == pytest.approx(cm.runtime_overhead("pipeline_microbatch"))
+    assert 0 < cm.loss_sync(2) < 0.1
     # gloo's collectives run on the ranks' own cores: overlapped with compute they take it; 2 one-thread ranks share
     # cores only on a one-core machine
     assert prof.device.overlap_slowdown == 1.0
-    assert prof.device.shared_cores == (None if (os.cpu_count() or 1) >= 2 else float(os.cpu_count() or 1))
+    assert prof.device.shared_cores is None
     # CPU: non-matmul ops at their own measured rate (below the matmul peak on any CPU), causal attention per head dim
     assert 0 < prof.device.vector_flops < prof.device.peak_flops["float32"]
     curve = prof.device.causal_attention_efficiency

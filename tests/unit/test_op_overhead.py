@@ -108,17 +108,17 @@ def test_oversubscribed_device_slows_every_device_time_not_the_links() -> None:
         assert b.op_time(*args) == pytest.approx(2 * a.op_time(*args))
     assert b.collective_time("all_reduce", 1e6, group_size=2) == a.collective_time("all_reduce", 1e6, group_size=2)
     assert "time-sliced" in sliced.device.sources["launch_overhead_s"]
-    assert sliced.device.shared_cores == pytest.approx(base.devices_per_node / 2.0)
+    assert sliced.device.shared_cores is None  # measured: waiting ranks leave computing ones no faster
     with pytest.raises(ValueError):
         oversubscribed(base, 0.0)
 
 
 def test_shared_cores_speed_up_a_pipelines_lone_stages_only() -> None:
-    """4 ranks time-slicing 2 cores: a pp=2 x dp=2 plan's stages compute alone in the fill, GPipe's turn and the
-    drain, where they get the cores the other stage leaves; a plan without pipeline stages keeps every rank
-    computing, and is predicted as with the uniformly slowed device alone."""
-    sliced = oversubscribed(with_table(cpu_like(4), TABLE), 2.0)
-    uniform = dataclasses.replace(sliced, device=dataclasses.replace(sliced.device, shared_cores=None))
+    """A profile that states ``shared_cores`` (4 ranks time-slicing 2 cores): a pp=2 x dp=2 plan's stages compute
+    alone in the fill, GPipe's turn and the drain, where they get the cores the other stage leaves; a plan without
+    pipeline stages keeps every rank computing, and is predicted as with the uniformly slowed device alone."""
+    uniform = oversubscribed(with_table(cpu_like(4), TABLE), 2.0)
+    sliced = dataclasses.replace(uniform, device=dataclasses.replace(uniform.device, shared_cores=2.0))
     assert profile_from_dict(profile_to_dict(sliced)).device.shared_cores == 2.0
     assert "shared_cores" not in profile_to_dict(uniform)["device"]
     g = _graph("gpt-tiny")

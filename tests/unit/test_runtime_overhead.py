@@ -92,6 +92,58 @@ def test_pipeline_microbatch_work_lengthens_pipelines_only() -> None:
     assert plan(prof, **one).time.total == plan(base, **one).time.total  # type: ignore[arg-type]
 
 
+def test_pipeline_work_per_schedule_and_microbatch_count() -> None:
+    """Measured cases (``pipeline_<schedule>_<m>``) are interpolated in log2(m) within a schedule and clamped at the
+    ends; interleaved 1F1B reads 1F1B's; without them every plan pays ``pipeline_microbatch``; a plan's prediction
+    follows its own schedule and micro-batch count."""
+    base = cpu_like()
+    lo = base.device.launch_overhead_s
+    table = {"pipeline_microbatch": 80.0, "pipeline_gpipe_1": 20.0, "pipeline_gpipe_2": 40.0,
+             "pipeline_gpipe_8": 100.0, "pipeline_1f1b_2": 30.0, "pipeline_1f1b_8": 80.0}
+    cost = CostModel(with_runtime(base, table))
+    for kind, m, units in (("gpipe", 1, 20.0), ("gpipe", 2, 40.0), ("gpipe", 4, 70.0), ("gpipe", 64, 100.0),
+                           ("1f1b", 1, 30.0), ("1f1b", 4, 55.0), ("interleaved_1f1b", 8, 80.0)):
+        assert cost.pipeline_overhead(kind, m) == pytest.approx(units * lo), (kind, m)
+    legacy = CostModel(with_runtime(base, {"pipeline_microbatch": 80.0}))
+    assert legacy.pipeline_overhead("gpipe", 1) == pytest.approx(80.0 * lo)
+    assert CostModel(base).pipeline_overhead("gpipe", 1) == 0.0
+    pins = {"pp": 2, "dp": 1, "tp": 1, "schedule": "gpipe", "micro_batch": 8}  # one micro-batch
+    a, b = plan(base, **pins), plan(with_runtime(base, table), **pins)  # type: ignore[arg-type]
+    c = plan(with_runtime(base, {"pipeline_microbatch": 80.0}), **pins)  # type: ignore[arg-type]
+    assert a.num_microbatches == 1
+    # both chunks pay it once each on the critical path (GPipe, one micro-batch: m + pp - 1 = 2 chunk slots)
+    assert b.time.total - a.time.total == pytest.approx(2 * 20.0 * lo, rel=1e-6)
+    assert c.time.total - a.time.total == pytest.approx(2 * 80.0 * lo, rel=1e-6)
+
+
+def test_loss_sync_is_the_measured_one_when_it_spans_the_profile() -> None:
+    base = cpu_like(4)
+    lo = base.device.launch_overhead_s
+    cost, bare = CostModel(with_runtime(base, {"loss_sync": 300.0})), CostModel(base)
+    assert cost.loss_sync(4) == pytest.approx(300.0 * lo)
+    assert cost.loss_sync(2) == bare.loss_sync(2) == bare.collective_time("all_reduce", 4, group_size=2)
+    assert cost.loss_sync(1) == 0.0
+    pins = {"pp": 1, "dp": 4, "tp": 1, "zero": 0}
+    a, b = plan(base, **pins), plan(with_runtime(base, {"loss_sync": 300.0}), **pins)  # type: ignore[arg-type]
+    assert b.time.total - a.time.total == pytest.approx(300.0 * lo - bare.loss_sync(4), rel=1e-6)
+
+
+def test_fitted_overhead_leaves_the_measured_synchronizations_in_seconds() -> None:
+    """The ``overhead`` factor rescales per-op eager costs measured by micro-benchmarks; the loss sync and the
+    pipeline schedules are timed as a step meets them (like a pipeline's p2p) and keep their seconds."""
+    base = with_runtime(cpu_like(2), {**RUNTIME, "loss_sync": 100.0, "pipeline_gpipe_1": 40.0,
+                                      "pipeline_1f1b_8": 90.0})
+    a = CostModel(base)
+    for factors in ({"overhead": 2.5}, {"overhead": 2.5, "fsdp": 3.0}):
+        b = CostModel(apply_factors(base, factors))
+        assert b.loss_sync(2) == pytest.approx(a.loss_sync(2))
+        for kind, m in (("gpipe", 1), ("1f1b", 8), ("1f1b", 2)):
+            assert b.pipeline_overhead(kind, m) == pytest.approx(a.pipeline_overhead(kind, m))
+        assert b.runtime_overhead("pipeline_microbatch") == pytest.approx(a.runtime_overhead("pipeline_microbatch"))
+        assert b.optimizer_eager(28, dtensor=False) == pytest.approx(2.5 * a.optimizer_eager(28, dtensor=False))
+        assert b.fsdp_eager(4, 28) == pytest.approx(2.5 * factors.get("fsdp", 1.0) * a.fsdp_eager(4, 28))
+
+
 def test_schema_and_fsdp_factor() -> None:
     prof = with_runtime(cpu_like(), RUNTIME)
     d = profile_to_dict(prof)

@@ -244,9 +244,10 @@ def test_the_pipeline_probe_takes_out_the_sends_the_simulator_charges(m: int) ->
     from autopar.profiles.eager import probe_send_s, simulated_sends
 
     for f, b, d in ((1.0, 2.0, 0.01), (0.3, 0.6, 0.05), (1.0, 1.0, 0.2)):
-        charged = (simulate([f, f], [b, b], pp=2, num_microbatches=m, schedule="1f1b", p2p=d).pipeline_s
-                   - simulate([f, f], [b, b], pp=2, num_microbatches=m, schedule="1f1b").pipeline_s)
-        assert simulated_sends(m, d) * (m + 1) == pytest.approx(charged)
+        for kind in ("1f1b", "gpipe"):
+            charged = (simulate([f, f], [b, b], pp=2, num_microbatches=m, schedule=kind, p2p=d).pipeline_s
+                       - simulate([f, f], [b, b], pp=2, num_microbatches=m, schedule=kind).pipeline_s)
+            assert simulated_sends(m, d, kind) * (m + 1) == pytest.approx(charged)
     table = {"tables": {"p2p": [{"group_size": 2, "alpha_s": 1e-4, "busbw": 6.4e8}]}}
     assert probe_send_s(table) == pytest.approx(1e-4 + 1e-7)
     assert probe_send_s(None) == 0.0

@@ -1,0 +1,84 @@
+"""What a CPU training step's synchronizations cost, measured as the runtime meets them (gloo ranks).
+
+Two of the runtime's per-step costs depend on how the ranks wait for each other, which no alpha-beta point of an
+isolated collective describes on ranks that share cores:
+
+- the pipeline schedule's work per micro-batch slot (``torch.distributed.pipelining``'s bookkeeping and its waits
+  for each activation and gradient), which on gloo grows with the number of micro-batches and differs between
+  GPipe and 1F1B: per slot, ~200 us for GPipe with one micro-batch against ~500 us for 1F1B with eight and
+  ~750-950 us for GPipe with eight, two ranks on this project's 2-core VM (``benchmarks/cpu_sync_costs.py``).
+  :func:`pipeline_overheads` times each case of :data:`autopar.profiles.schema.PIPELINE_CASES` on every rank pair
+  at once (a pp=2 x dp=2 plan runs two pipelines at once);
+- the training loop's loss sync, an all-reduce of one float over every rank after the step's compute
+  (:func:`loss_sync_under_load`): gloo takes another path for one element than for the profile's 1 KiB..16 MiB
+  points, and ranks that arrive from compute wait for each other to be scheduled.  Here: 0.5-0.7 ms on 2 ranks and
+  1.3-2.6 ms on 4, where the all-reduce table's latency, fitted over 1 KiB..16 MiB, says 0.4-0.6 and 5-5.5 ms.
+
+Both are stored in ``DeviceProfile.runtime_overhead`` (``pipeline_<schedule>_<m>``, ``loss_sync``) and costed by
+:meth:`autopar.profiles.cost.CostModel.pipeline_overhead` and :meth:`~autopar.profiles.cost.CostModel.loss_sync`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from autopar.profiles.eager import pipeline_overhead_two_ranks
+from autopar.profiles.schema import PIPELINE_CASES, pipeline_key
+
+__all__ = ["REFERENCE_CASE", "loss_sync_under_load", "pipeline_overheads"]
+
+REFERENCE_CASE = ("1f1b", 8)
+"""The case ``runtime_overhead["pipeline_microbatch"]`` holds (the one case profiles measured before the table)."""
+
+
+def pipeline_overheads(device: torch.device, rank: int, repeats: int, group: Any = None,
+                       p2p_s: float = 0.0) -> dict[str, float]:
+    """Seconds per micro-batch slot of each two-stage schedule of :data:`PIPELINE_CASES` on the pair of ranks
+    ``group`` (``rank`` 0 or 1 within it; every pair of the world runs at once), keyed by :func:`pipeline_key`
+    (:func:`autopar.profiles.eager.pipeline_overhead_two_ranks`, less the sends the simulator charges at
+    ``p2p_s`` each).  Both ranks of every pair call it; rank 0's numbers are the pair's."""
+    return {pipeline_key(kind, m): pipeline_overhead_two_ranks(device, rank, repeats, group, m, p2p_s, kind)
+            for kind, m in PIPELINE_CASES}
+
+
+def loss_sync_under_load(repeats: int = 3, calls: int = 50, compute_s: float = 1e-3) -> float:
+    """Seconds one all-reduce of one float over every rank adds to an iteration in which every rank first computes
+    for about ``compute_s`` (matmuls), as a training step's loss sync follows its compute: the median over
+    ``repeats`` windows of ``calls`` iterations (the slowest rank's) less the same windows without the all-reduce.
+    Every rank of the default group calls it."""
+    import torch.distributed as dist
+
+    x, a = torch.ones(1), torch.randn(128, 128)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    reps = max(1, round(compute_s / max((time.perf_counter() - t0) / 10, 1e-7)))
+    n = torch.tensor([reps], dtype=torch.float64)
+    dist.all_reduce(n, op=dist.ReduceOp.MAX)  # every rank the same work
+
+    def compute() -> None:
+        for _ in range(int(n.item())):
+            a @ a
+
+    def loaded() -> None:
+        compute()
+        dist.all_reduce(x)
+
+    def window(fn: Any) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t = torch.tensor([(time.perf_counter() - t0) / calls], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
+
+    for fn in (compute, loaded):  # warm-up
+        for _ in range(5):
+            fn()
+    # adjacent pairs: the machine's speed, which moves over seconds, cancels in each difference
+    return max(statistics.median(window(loaded) - window(compute) for _ in range(max(repeats, 1))), 0.0)
