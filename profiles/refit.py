@@ -11,7 +11,9 @@ factor                 what it multiplies (time of ...)
 ``matmul``             matmul-like ops (``peak_flops`` of every dtype divided by the factor)
 ``vector``             non-matmul ops' arithmetic (``vector_flops`` divided by the factor)
 ``memory``             memory traffic of every op and the optimizer step (``memory_bandwidth`` divided)
-``overhead``           the fixed per-op cost of an eager training step (``launch_overhead_s`` multiplied)
+``overhead``           the fixed per-op cost of an eager training step (``launch_overhead_s`` multiplied; the
+                       synchronizations of ``runtime_overhead`` measured in situ, ``loss_sync`` and
+                       ``pipeline_*``, keep their seconds)
 ``dtensor``            an op's eager cost on tensor-parallel (DTensor) operands over a plain op's
                        (``sharded_op_overhead`` multiplied: a factor on the measured per-kind table
                        ``dtensor_op_overhead``, or, without one, 1 at the base: no extra dispatch)
@@ -100,6 +102,13 @@ def _scale_table(points: tuple[AlphaBeta, ...], alpha: float, beta: float, note:
                                      source=(p.source + "; " if p.source else "") + note) for p in points)
 
 
+def _measured_sync(kind: str) -> bool:
+    """A ``runtime_overhead`` entry that times a synchronization as a training step meets it (the loss sync, the
+    pipeline schedules with their sends, :mod:`autopar.profiles.syncs`): measured in situ, like a pipeline's p2p,
+    so that the per-op ``overhead`` factor does not rescale it."""
+    return kind == "loss_sync" or kind.startswith("pipeline_")
+
+
 def apply_factors(profile: ClusterProfile, factors: Mapping[str, float], *, note: str = "",
                   link_groups: Collection[tuple[str, int]] | None = None) -> ClusterProfile:
     """``profile`` with its coefficients rescaled by ``factors`` (missing factors are 1); see the module docstring.
@@ -133,10 +142,15 @@ def apply_factors(profile: ClusterProfile, factors: Mapping[str, float], *, note
     if f.get("dtensor", 1.0) != 1.0:
         changes["sharded_op_overhead"] = dev.sharded_op_overhead * f["dtensor"]
         sources["sharded_op_overhead"] = f"{tag} (x{f['dtensor']:.4g})"
-    if f.get("fsdp", 1.0) != 1.0:
-        changes["runtime_overhead"] = {k: v * (f["fsdp"] if k.startswith("fsdp_") else 1.0)
+    if f.get("fsdp", 1.0) != 1.0 or (f.get("overhead", 1.0) != 1.0 and any(map(_measured_sync, dev.runtime_overhead))):
+        # the synchronizations measured as a step meets them keep their seconds under ``overhead``
+        kept = 1.0 / f.get("overhead", 1.0)
+        changes["runtime_overhead"] = {k: v * (f.get("fsdp", 1.0) if k.startswith("fsdp_") else
+                                               kept if _measured_sync(k) else 1.0)
                                        for k, v in dev.runtime_overhead.items()}
-        sources["runtime_overhead"] = f"{sources.get('runtime_overhead', '')}; {tag} (fsdp x{f['fsdp']:.4g})".lstrip("; ")
+        if f.get("fsdp", 1.0) != 1.0:
+            sources["runtime_overhead"] = (f"{sources.get('runtime_overhead', '')}; {tag} "
+                                           f"(fsdp x{f['fsdp']:.4g})").lstrip("; ")
     if f.get("overlap", 1.0) != 1.0:
         value = min(1.0, max(0.0, getattr(dev, OVERLAP_FIELD) + f["overlap"] - 1.0))
         changes[OVERLAP_FIELD] = value
