@@ -8,13 +8,13 @@
    The 4-rank profile keeps its measured links; its device is the 2-rank device time-sliced by the measured
    slowdown of the fit model's training step run by 4 processes at once against 2 (``time_concurrent``: 4 ranks
    share 2 cores, and other work on the machine shares them too; measured after the fit, just before the held-out
-   runs, as the median ratio of adjacent pairs), instead
-   of a second, noisier device measurement.  Each profile
-   carries each op kind's eager overhead (``op_overhead``), so that one fitted ``overhead`` factor carries from the
-   fitted model to a model whose ops are of other kinds.
+   runs, as the median ratio of adjacent pairs), instead of a second, noisier device measurement; the
+   synchronizations timed among all 4 ranks (the loss sync, the pipeline schedules on both rank pairs at once) are
+   the 4-rank profile's.  Each profile carries each op kind's eager overhead (``op_overhead``), so that one fitted
+   ``overhead`` factor carries from the fitted model to a model whose ops are of other kinds.
 2. Fit: the planner's pure-DP (``pp=1 dp=2 tp=1 zero=0``, global batch 4 and 16), ZeRO-1 DP (``zero=1``, FSDP2,
-   batch 8) and pure-TP (``tp=2``, batch 8) plans of ``--fit-model`` on 2 ranks run under ``autopar calibrate``'s
-   attribution
+   batch 8) and pure-TP (``tp=2``, batch 8, which replicates, and 64, which shards: :data:`FIT`) plans of
+   ``--fit-model`` on 2 ranks run under ``autopar calibrate``'s attribution
    (:func:`autopar.planner.calibrate.measure_plan`) and the factors are fitted to them
    (:func:`autopar.planner.calibrate.calibrate_loop`: a plan whose shardings the fit changes is re-planned, run and
    fitted again).  The 2-rank fitted profile is the 2-rank base with the factors; the 4-rank one is the 4-rank base
@@ -57,14 +57,19 @@ from autopar.planner.options import PlanOptions
 from autopar.planner.search import search
 from autopar.profiles.profiler import oversubscribed, run_profile_command, time_concurrent
 from autopar.profiles.refit import apply_factors, provenance
-from autopar.profiles.schema import ClusterProfile, load_profile, save_profile
+from autopar.profiles.schema import PIPELINE_CASES, ClusterProfile, load_profile, pipeline_key, save_profile
 from autopar.zoo import build
 
 _DP2, _TP2 = {"pp": 1, "dp": 2, "tp": 1, "zero": 0}, {"pp": 1, "dp": 1, "tp": 2}
-FIT = {"dp=2 b4": (4, _DP2), "dp=2 b16": (16, _DP2), "dp=2 z1 b8": (8, {**_DP2, "zero": 1}), "tp=2 b8": (8, _TP2)}
+FIT = {"dp=2 b4": (4, _DP2), "dp=2 b16": (16, _DP2), "dp=2 z1 b8": (8, {**_DP2, "zero": 1}), "tp=2 b8": (8, _TP2),
+       "tp=2 b64": (64, _TP2)}
 """Fit runs: (global batch, pins).  Two batch sizes of the dp=2 plan separate the per-op overhead (the same at any
-batch) from the arithmetic (proportional to it); the ZeRO-1 dp=2 run (FSDP2) fits FSDP2's eager work (``fsdp``);
-the held-out plans run at ``--batch``."""
+batch) from the arithmetic (proportional to it); the ZeRO-1 dp=2 run (FSDP2) fits FSDP2's eager work (``fsdp``).
+Of the tp=2 plans, the planner replicates every op of gpt-tiny at batch 8 on this machine (tensor-parallel
+collectives cost more than the halved matmuls save), so that run holds DTensor's dispatch but no collective; at
+batch 64 it shards the blocks' linears Megatron-style, and the fit sees tensor-parallel collectives between ops
+(without it, a fit that priced them low made the 4-rank held-out dp=2 x tp=2 plans shard and run 2-3x slower than
+predicted).  The held-out plans run at ``--batch``."""
 HELD_OUT = {"pp=2": (2, {"pp": 2, "dp": 1, "tp": 1}), "dp=2 x tp=2": (4, {"pp": 1, "dp": 2, "tp": 2}),
             "pp=2 x dp=2": (4, {"pp": 2, "dp": 2, "tp": 1})}
 
@@ -83,6 +88,17 @@ def base_profile(path: str | None, ranks: int, out: Path) -> ClusterProfile:
     # the workers compute with OMP_NUM_THREADS threads (run_plan's default: 1), so the profile measures with as many
     return run_profile_command(out / f"base{ranks}.yaml", ranks, quick=True, progress=False,
                                threads_per_rank=int(os.environ.get("OMP_NUM_THREADS", "1")))
+
+
+def with_world_syncs(sliced: ClusterProfile, measured: ClusterProfile) -> ClusterProfile:
+    """``sliced`` (the 2-rank device time-sliced) with the synchronizations ``measured`` (the 4-rank profile) timed
+    among all its ranks, which the 2-rank device cannot describe: the loss sync over every rank and the pipeline
+    schedules run on every rank pair at once (:mod:`autopar.profiles.syncs`), in seconds as measured."""
+    keys = {"loss_sync", *(pipeline_key(*c) for c in PIPELINE_CASES)}
+    dev, got = sliced.device, measured.device
+    table = {**dev.runtime_overhead, **{k: v * got.launch_overhead_s / dev.launch_overhead_s
+                                        for k, v in got.runtime_overhead.items() if k in keys}}
+    return replace(sliced, device=replace(dev, runtime_overhead=table))
 
 
 def graph_of(model: str, seq: int | None) -> ir.Graph:
@@ -180,8 +196,9 @@ def main() -> int:
              for _ in range(args.slicing_repeats)]
     t2, t4 = statistics.median(a for a, _ in pairs), statistics.median(b for _, b in pairs)
     slicing = max(statistics.median(b / a for a, b in pairs), 1.0)
-    base[4] = oversubscribed(replace(base[4], device=base[2].device), slicing,
-                             note=f"2-rank device time-sliced x{slicing:.3g} for 4 ranks on {os.cpu_count()} cores")
+    base[4] = with_world_syncs(oversubscribed(replace(base[4], device=base[2].device), slicing,
+                                              note=f"2-rank device time-sliced x{slicing:.3g} for 4 ranks on "
+                                                   f"{os.cpu_count()} cores"), base[4])
     save_profile(base[4], out / "base4-sliced.yaml")
     groups = link_groups([p for p, _, _ in runs], base[2])  # the link-table points the fit runs exercised
     fitted = {2: provenance(base[2], replace(fit, factors=total),
