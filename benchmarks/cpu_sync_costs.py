@@ -129,12 +129,12 @@ def main() -> int:
     print(f"gloo on {os.cpu_count()} cores, medians of {args.repeats}")
     print(f"1. pipeline schedule overhead per micro-batch slot, us (x: against {REFERENCE_CASE[0]} "
           f"m={REFERENCE_CASE[1]} on 2 ranks, what profiles charged every plan before they measured each case)")
-    print(f"   {'schedule':>8} {'m':>3} {'2 ranks':>9} {'x':>6} {'4: one pair':>12} {'x':>6} {'4: both pairs':>14}"
+    print(f"   {'schedule':>16} {'m':>3} {'2 ranks':>9} {'x':>6} {'4: one pair':>12} {'x':>6} {'4: both pairs':>14}"
           f" {'x':>6}")
     for case in PIPELINE_CASES:
         key = pipeline_key(*case)
         two, alone, both = got[2]["pipeline"][key], got[4]["pipeline_alone"][key], got[4]["pipeline"][key]
-        print(f"   {case[0]:>8} {case[1]:>3} {two * 1e6:>9.0f} {two / ref:>6.2f} {alone * 1e6:>12.0f} "
+        print(f"   {case[0]:>16} {case[1]:>3} {two * 1e6:>9.0f} {two / ref:>6.2f} {alone * 1e6:>12.0f} "
               f"{alone / ref:>6.2f} {both * 1e6:>14.0f} {both / ref:>6.2f}")
     print("2. loss sync (all-reduce of one float over every rank), us")
     print(f"   {'ranks':>5} {'isolated':>9} {'under load':>11} {'1 KiB isolated':>15} {'load/1KiB':>10}")

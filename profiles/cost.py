@@ -289,14 +289,15 @@ class CostModel:
         return dev.launch_overhead_s * dev.runtime_overhead.get(kind, 0.0)
 
     def pipeline_overhead(self, schedule: str, microbatches: int) -> float:
-        """Seconds of the pipeline schedule's work per stage and micro-batch slot for ``schedule`` at
+        """Seconds of the pipeline schedule's work per chunk and micro-batch slot for ``schedule`` at
         ``microbatches``: the profile's measured cases of that schedule (``pipeline_<schedule>_<m>``, see
-        :mod:`autopar.profiles.syncs`; interleaved 1F1B reads 1F1B's) interpolated linearly in ``log2(m)`` and clamped
-        at the ends, else ``pipeline_microbatch`` (one case, 1F1B with 8 micro-batches)."""
+        :mod:`autopar.profiles.syncs`) interpolated linearly in ``log2(m)`` and clamped at the ends; a profile
+        without them: 1F1B's cases, else ``pipeline_microbatch`` (one case, 1F1B with 8 micro-batches)."""
         table = self.profile.device.runtime_overhead
-        kind = "gpipe" if schedule == "gpipe" else "1f1b"
-        pts = sorted((m, table[pipeline_key(k, m)]) for k, m in PIPELINE_CASES
-                     if k == kind and pipeline_key(k, m) in table)
+        pts: list[tuple[int, float]] = []
+        for kind in (schedule, "1f1b"):
+            pts = pts or sorted((m, table[pipeline_key(k, m)]) for k, m in PIPELINE_CASES
+                                if k == kind and pipeline_key(k, m) in table)
         if not pts:
             return self.runtime_overhead("pipeline_microbatch")
         x = math.log2(max(microbatches, 1))

@@ -272,30 +272,32 @@ def _pipeline_overhead(device: torch.device, sync: Callable[[], None], repeats: 
 
 def pipeline_overhead_two_ranks(device: torch.device, rank: int, repeats: int, group: Any = None,
                                 microbatches: int = 8, p2p_s: float = 0.0, schedule: str = "1f1b") -> float:
-    """Seconds per micro-batch and stage that a two-stage 1F1B schedule on ranks 0 and 1 (``rank``, in ``group``)
-    adds to each stage's forward and backward, its sends and receives included: with NCCL they overlap compute, on
-    gloo each stage waits for every activation and gradient, in the steady state too.  The schedule's time over the
-    ``m + 1`` micro-batch slots the cost model gives a two-stage 1F1B (``(m - 1) R + 2 R``, ``R`` a stage's time per
-    micro-batch, :mod:`autopar.planner.inter_op.screen`), less one stage's forward and backward of a micro-batch run
-    in a plain loop on both ranks at once.  Both ranks call it; the returned number is rank 0's (rank 0 finishes
-    the schedule last).
+    """Seconds per micro-batch and chunk that a two-rank pipeline schedule on ranks 0 and 1 (``rank``, in ``group``)
+    adds to each chunk's forward and backward, its sends and receives included: with NCCL they overlap compute, on
+    gloo each stage waits for every activation and gradient, in the steady state too.  ``schedule``: ``"1f1b"``,
+    ``"gpipe"`` (one chunk per rank) or ``"interleaved_1f1b"`` (two per rank, as a plan with ``virtual_stages=2``).
+    The schedule's time over the ``m * v + 1`` chunk slots the cost model gives two ranks of ``v`` chunks
+    (``(m - 1) R + 2 R`` for ``v = 1``, ``R`` a rank's time per micro-batch; the interleaved bubble is ``R / v``,
+    :mod:`autopar.planner.inter_op.screen`), less a chunk's forward and backward of a micro-batch run in a plain loop
+    on both ranks at once.  Both ranks call it; the returned number is rank 0's (rank 0 finishes the schedule last).
 
     ``p2p_s``: what the cost model charges for one send between the stages at the probe's size (the profile's p2p
     table).  The schedule simulator adds it on every dependency between stages, :func:`simulated_sends` of them on
-    this schedule's critical path, so that much is taken out of the measured time here rather than charged twice.
-
-    ``schedule``: ``"1f1b"`` (the profile's probe) or ``"gpipe"`` (the only one of the two that runs one micro-batch;
-    ``benchmarks/cpu_sync_costs.py`` compares them across ``microbatches``)."""
+    this schedule's critical path, so that much is taken out of the measured time here rather than charged twice."""
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-    m = microbatches
-    net, x, tgt, loss_fn = _pipeline_probe(device, m)
-    stage = PipelineStage(net, rank, 2, device, group=group)  # shapes inferred on the first step
-    kinds = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+    kinds = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": ScheduleInterleaved1F1B}
     if schedule not in kinds:
         raise ValueError(f"unknown schedule {schedule!r}; expected one of {', '.join(kinds)}")
-    sched = kinds[schedule](stage, n_microbatches=m, loss_fn=loss_fn)
+    m, v = microbatches, 2 if schedule == "interleaved_1f1b" else 1
+    nets = []
+    for _ in range(v):
+        net, x, tgt, loss_fn = _pipeline_probe(device, m)
+        nets.append(net)
+    # rank r holds chunks r, r + 2, .. (shapes inferred on the first step)
+    stages = [PipelineStage(net, rank + 2 * k, 2 * v, device, group=group) for k, net in enumerate(nets)]
+    sched = kinds[schedule](stages if v > 1 else stages[0], n_microbatches=m, loss_fn=loss_fn)
 
     def scheduled() -> None:
         if rank == 0:
@@ -305,7 +307,8 @@ def pipeline_overhead_two_ranks(device: torch.device, rank: int, repeats: int, g
 
     def plain() -> None:
         for xi in torch.chunk(x, m):
-            net(xi).sum().backward()
+            for net in nets:
+                net(xi).sum().backward()
 
     def timed(fn: Callable[[], None]) -> float:
         dist.barrier(group=group)
@@ -317,16 +320,17 @@ def pipeline_overhead_two_ranks(device: torch.device, rank: int, repeats: int, g
         timed(scheduled)
         timed(plain)
     # adjacent pairs (see _paired_extra): the machine's speed, which moves over seconds, cancels in each difference
-    pairs = [timed(scheduled) / (m + 1) - timed(plain) / m for _ in range(max(repeats, 1))]
+    pairs = [timed(scheduled) / (m * v + 1) - timed(plain) / (m * v) for _ in range(max(repeats, 1))]
     return max(statistics.median(pairs) - simulated_sends(m, p2p_s, schedule), 0.0)
 
 
 def simulated_sends(m: int, p2p_s: float, schedule: str = "1f1b") -> float:
-    """Per micro-batch slot, the sends the schedule simulator charges a two-stage schedule of ``m`` micro-batches on
-    its critical path (:func:`autopar.planner.inter_op.schedule.simulate`), over its ``m + 1`` slots: 1F1B crosses
-    between the stages ``2 * ceil(m / 2)`` times, GPipe twice (the first forward and the last backward)."""
-    sends = 2 if schedule == "gpipe" else 2 * ((m + 1) // 2)
-    return sends * p2p_s / (m + 1)
+    """Per chunk slot, the sends the schedule simulator charges a two-rank schedule of ``m`` micro-batches on its
+    critical path (:func:`autopar.planner.inter_op.schedule.simulate`), over its ``m * v + 1`` slots: 1F1B crosses
+    between the ranks ``2 * ceil(m / 2)`` times, GPipe twice (the first forward and the last backward), interleaved
+    1F1B with two chunks per rank six times."""
+    sends, v = {"gpipe": (2, 1), "interleaved_1f1b": (6, 2)}.get(schedule, (2 * ((m + 1) // 2), 1))
+    return sends * p2p_s / (m * v + 1)
 
 
 def probe_send_s(links: dict[str, Any] | None) -> float:

@@ -79,7 +79,8 @@ OP_KINDS: tuple[str, ...] = (
     "view", "other",
 )
 """The IR op kinds the cost model costs (``profiles.cost``), and a device's ``op_overhead`` keys."""
-PIPELINE_CASES: tuple[tuple[str, int], ...] = (("gpipe", 1), ("gpipe", 2), ("gpipe", 8), ("1f1b", 2), ("1f1b", 8))
+PIPELINE_CASES: tuple[tuple[str, int], ...] = (("gpipe", 1), ("gpipe", 2), ("gpipe", 8), ("1f1b", 2), ("1f1b", 8),
+                                               ("interleaved_1f1b", 2), ("interleaved_1f1b", 8))
 """The (schedule, micro-batches) cases ``autopar profile`` times the pipeline schedule's overhead at (gloo)."""
 
 

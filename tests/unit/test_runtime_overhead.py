@@ -102,8 +102,10 @@ def test_pipeline_work_per_schedule_and_microbatch_count() -> None:
              "pipeline_gpipe_8": 100.0, "pipeline_1f1b_2": 30.0, "pipeline_1f1b_8": 80.0}
     cost = CostModel(with_runtime(base, table))
     for kind, m, units in (("gpipe", 1, 20.0), ("gpipe", 2, 40.0), ("gpipe", 4, 70.0), ("gpipe", 64, 100.0),
-                           ("1f1b", 1, 30.0), ("1f1b", 4, 55.0), ("interleaved_1f1b", 8, 80.0)):
+                           ("1f1b", 1, 30.0), ("1f1b", 4, 55.0), ("interleaved_1f1b", 8, 80.0)):  # as 1F1B
         assert cost.pipeline_overhead(kind, m) == pytest.approx(units * lo), (kind, m)
+    own = CostModel(with_runtime(base, {**table, "pipeline_interleaved_1f1b_2": 50.0}))
+    assert own.pipeline_overhead("interleaved_1f1b", 8) == pytest.approx(50.0 * lo)  # its own case, clamped
     legacy = CostModel(with_runtime(base, {"pipeline_microbatch": 80.0}))
     assert legacy.pipeline_overhead("gpipe", 1) == pytest.approx(80.0 * lo)
     assert CostModel(base).pipeline_overhead("gpipe", 1) == 0.0

@@ -237,17 +237,20 @@ def test_shared_cores_never_slower_and_at_most_the_full_speedup(seed: int) -> No
         assert (e.rank, e.kind, e.microbatch) == (f.rank, f.kind, f.microbatch)
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 8, 9])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 9, 16])
 def test_the_pipeline_probe_takes_out_the_sends_the_simulator_charges(m: int) -> None:
     """The profile's pipeline-schedule probe (a two-stage 1F1B on gloo, its sends included) leaves out per micro-batch
     slot what the simulator adds for the sends, so that the cost model does not charge them twice."""
     from autopar.profiles.eager import probe_send_s, simulated_sends
 
     for f, b, d in ((1.0, 2.0, 0.01), (0.3, 0.6, 0.05), (1.0, 1.0, 0.2)):
-        for kind in ("1f1b", "gpipe"):
-            charged = (simulate([f, f], [b, b], pp=2, num_microbatches=m, schedule=kind, p2p=d).pipeline_s
-                       - simulate([f, f], [b, b], pp=2, num_microbatches=m, schedule=kind).pipeline_s)
-            assert simulated_sends(m, d, kind) * (m + 1) == pytest.approx(charged)
+        for kind, v in (("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2)):
+            if m % 2 and v > 1:  # interleaved: m a multiple of pp
+                continue
+            fw, bw = [f / v] * 2 * v, [b / v] * 2 * v
+            charged = (simulate(fw, bw, pp=2, num_microbatches=m, schedule=kind, virtual_stages=v, p2p=d).pipeline_s
+                       - simulate(fw, bw, pp=2, num_microbatches=m, schedule=kind, virtual_stages=v).pipeline_s)
+            assert simulated_sends(m, d, kind) * (m * v + 1) == pytest.approx(charged), (kind, m)
     table = {"tables": {"p2p": [{"group_size": 2, "alpha_s": 1e-4, "busbw": 6.4e8}]}}
     assert probe_send_s(table) == pytest.approx(1e-4 + 1e-7)
     assert probe_send_s(None) == 0.0
