@@ -5,13 +5,14 @@ isolated collective describes on ranks that share cores:
 
 - the pipeline schedule's work per micro-batch slot (``torch.distributed.pipelining``'s bookkeeping and its waits
   for each activation and gradient), which on gloo grows with the number of micro-batches and differs between
-  GPipe and 1F1B: per slot, ~200 us for GPipe with one micro-batch against ~500 us for 1F1B with eight and
-  ~750-950 us for GPipe with eight, two ranks on this project's 2-core VM (``benchmarks/cpu_sync_costs.py``).
+  schedules: per slot, ~200-350 us for GPipe with one micro-batch against ~500-650 us for 1F1B with eight,
+  ~750-950 us for GPipe with eight and ~0.9-1.7 ms per chunk slot for interleaved 1F1B, two ranks on this project's
+  2-core VM (``benchmarks/cpu_sync_costs.py``).
   :func:`pipeline_overheads` times each case of :data:`autopar.profiles.schema.PIPELINE_CASES` on every rank pair
   at once (a pp=2 x dp=2 plan runs two pipelines at once);
 - the training loop's loss sync, an all-reduce of one float over every rank after the step's compute
   (:func:`loss_sync_under_load`): gloo takes another path for one element than for the profile's 1 KiB..16 MiB
-  points, and ranks that arrive from compute wait for each other to be scheduled.  Here: 0.5-0.7 ms on 2 ranks and
+  points, and ranks that arrive from compute wait for each other to be scheduled.  Here: 0.4-0.7 ms on 2 ranks and
   1.3-2.6 ms on 4, where the all-reduce table's latency, fitted over 1 KiB..16 MiB, says 0.4-0.6 and 5-5.5 ms.
 
 Both are stored in ``DeviceProfile.runtime_overhead`` (``pipeline_<schedule>_<m>``, ``loss_sync``) and costed by
