@@ -56,8 +56,8 @@ from autopar.planner.calibrate import (
 from autopar.planner.options import PlanOptions
 from autopar.planner.search import search
 from autopar.profiles.profiler import oversubscribed, run_profile_command, time_concurrent
-from autopar.profiles.refit import apply_factors, provenance
-from autopar.profiles.schema import PIPELINE_CASES, ClusterProfile, load_profile, pipeline_key, save_profile
+from autopar.profiles.refit import apply_factors, measured_sync, provenance
+from autopar.profiles.schema import ClusterProfile, load_profile, save_profile
 from autopar.zoo import build
 
 _DP2, _TP2 = {"pp": 1, "dp": 2, "tp": 1, "zero": 0}, {"pp": 1, "dp": 1, "tp": 2}
@@ -94,10 +94,9 @@ def with_world_syncs(sliced: ClusterProfile, measured: ClusterProfile) -> Cluste
     """``sliced`` (the 2-rank device time-sliced) with the synchronizations ``measured`` (the 4-rank profile) timed
     among all its ranks, which the 2-rank device cannot describe: the loss sync over every rank and the pipeline
     schedules run on every rank pair at once (:mod:`autopar.profiles.syncs`), in seconds as measured."""
-    keys = {"loss_sync", *(pipeline_key(*c) for c in PIPELINE_CASES)}
     dev, got = sliced.device, measured.device
     table = {**dev.runtime_overhead, **{k: v * got.launch_overhead_s / dev.launch_overhead_s
-                                        for k, v in got.runtime_overhead.items() if k in keys}}
+                                        for k, v in got.runtime_overhead.items() if measured_sync(k)}}
     return replace(sliced, device=replace(dev, runtime_overhead=table))
 
 

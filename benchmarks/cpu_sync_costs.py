@@ -15,7 +15,7 @@ Three measurements, each with 2 ranks and with 4 ranks (on a 2-core machine: ove
    stage), on 2 ranks (one pipeline) and on 4 (two at once, as a pp=2 x dp=2 plan runs): the 4-rank step over the
    2-rank one.  The schedule simulator's shared cores (``DeviceProfile.shared_cores``) would have a stage computing
    while the other waits get a core to itself, x1.0; a fully time-sliced step is the time-slicing factor, printed
-   beside.  ``autopar profile`` no longer records shared cores: here the ratio came out x1.8-2.7.
+   beside.  ``autopar profile`` no longer records shared cores: here the ratio came out x1.7-2.7.
 
     python benchmarks/cpu_sync_costs.py [--repeats 40]
 
@@ -34,23 +34,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from gloo_latency import machine_cpu_s  # this folder's benchmark: the machine's busy CPU seconds (/proc/stat)
 
 from autopar.profiles.eager import time_concurrent
 from autopar.profiles.profiler import free_port, time_collective
 from autopar.profiles.schema import PIPELINE_CASES, pipeline_key
-from autopar.profiles.syncs import REFERENCE_CASE, loss_sync_under_load, pipeline_overheads
-
-
-def machine_cpu_s() -> float:
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
-
-
-def _slowest(t: float) -> float:
-    x = torch.tensor([t], dtype=torch.float64)
-    dist.all_reduce(x, op=dist.ReduceOp.MAX)
-    return x.item()
+from autopar.profiles.syncs import REFERENCE_CASE, loss_sync_under_load, pipeline_overheads, slowest
 
 
 def _loss_sync(repeats: int) -> dict[str, float]:
@@ -60,7 +49,7 @@ def _loss_sync(repeats: int) -> dict[str, float]:
         dist.barrier()
         t0 = time.perf_counter()
         dist.all_reduce(x)
-        isolated.append(_slowest(time.perf_counter() - t0))
+        isolated.append(slowest(time.perf_counter() - t0))
     world = dist.get_world_size()
     return {"isolated": statistics.median(isolated), "loaded": loss_sync_under_load(),
             "1KiB": time_collective("all_reduce", 1024, None, world, torch.device("cpu"), repeats, 2)}
@@ -87,7 +76,7 @@ def _pipeline_step(pair: Any, me: int, repeats: int) -> float:
         dist.barrier()
         t0 = time.perf_counter()
         step()
-        ts.append(_slowest(time.perf_counter() - t0))
+        ts.append(slowest(time.perf_counter() - t0))
     return statistics.median(ts)
 
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from autopar.profiles.profiler import free_port, time_collective
+from autopar.profiles.syncs import per_call_s
 
 CASES = ((2, 2), (4, 2), (4, 4))
 """(ranks, group size): 2 ranks on their own; 4 ranks as two pairs (a dp=2 x tp=2 mesh's tp groups) and as one group."""
@@ -41,16 +42,7 @@ def machine_cpu_s() -> float:
 
 def _windows(fn: Any, calls: int, repeat: int) -> float:
     """Median over ``repeat`` windows of the per-call time of ``calls`` calls of ``fn`` (slowest rank's)."""
-    out = []
-    for _ in range(repeat):
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        t = torch.tensor([(time.perf_counter() - t0) / calls], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        out.append(t.item())
-    return statistics.median(out)
+    return statistics.median(per_call_s(fn, calls) for _ in range(repeat))
 
 
 def _worker(rank: int, world: int, size: int, port: int, args: argparse.Namespace, queue: Any) -> None:

@@ -468,7 +468,7 @@ def oversubscribed(profile: ClusterProfile, slowdown: float, *, note: str = "") 
     the device of a node whose ranks share fewer cores than they need (e.g. a 2-rank CPU profile carried to 4 ranks
     on the same 2 cores, ``slowdown = time_concurrent(4) / time_concurrent(2)``), all of them computing at once.
     Ranks that compute while others wait are charged the same (no ``shared_cores``): measured here, two two-stage
-    pipelines on 4 ranks took x1.8-2.7 the step of one on 2 ranks (``benchmarks/cpu_sync_costs.py``), where a stage
+    pipelines on 4 ranks took x1.7-2.7 the step of one on 2 ranks (``benchmarks/cpu_sync_costs.py``), where a stage
     computing beside a waiting one would have a core to itself (x1).  Links are left as they are."""
     if not slowdown > 0:
         raise ValueError(f"slowdown must be positive, got {slowdown}")

@@ -59,6 +59,7 @@ __all__ = [
     "apply_factors",
     "factor_names",
     "fit_factors",
+    "measured_sync",
     "provenance",
 ]
 
@@ -102,7 +103,7 @@ def _scale_table(points: tuple[AlphaBeta, ...], alpha: float, beta: float, note:
                                      source=(p.source + "; " if p.source else "") + note) for p in points)
 
 
-def _measured_sync(kind: str) -> bool:
+def measured_sync(kind: str) -> bool:
     """A ``runtime_overhead`` entry that times a synchronization as a training step meets it (the loss sync, the
     pipeline schedules with their sends, :mod:`autopar.profiles.syncs`): measured in situ, like a pipeline's p2p,
     so that the per-op ``overhead`` factor does not rescale it."""
@@ -142,11 +143,11 @@ def apply_factors(profile: ClusterProfile, factors: Mapping[str, float], *, note
     if f.get("dtensor", 1.0) != 1.0:
         changes["sharded_op_overhead"] = dev.sharded_op_overhead * f["dtensor"]
         sources["sharded_op_overhead"] = f"{tag} (x{f['dtensor']:.4g})"
-    if f.get("fsdp", 1.0) != 1.0 or (f.get("overhead", 1.0) != 1.0 and any(map(_measured_sync, dev.runtime_overhead))):
+    if f.get("fsdp", 1.0) != 1.0 or (f.get("overhead", 1.0) != 1.0 and any(map(measured_sync, dev.runtime_overhead))):
         # the synchronizations measured as a step meets them keep their seconds under ``overhead``
         kept = 1.0 / f.get("overhead", 1.0)
         changes["runtime_overhead"] = {k: v * (f.get("fsdp", 1.0) if k.startswith("fsdp_") else
-                                               kept if _measured_sync(k) else 1.0)
+                                               kept if measured_sync(k) else 1.0)
                                        for k, v in dev.runtime_overhead.items()}
         if f.get("fsdp", 1.0) != 1.0:
             sources["runtime_overhead"] = (f"{sources.get('runtime_overhead', '')}; {tag} "

@@ -30,7 +30,7 @@ import torch
 from autopar.profiles.eager import pipeline_overhead_two_ranks
 from autopar.profiles.schema import PIPELINE_CASES, pipeline_key
 
-__all__ = ["REFERENCE_CASE", "loss_sync_under_load", "pipeline_overheads"]
+__all__ = ["REFERENCE_CASE", "loss_sync_under_load", "per_call_s", "pipeline_overheads", "slowest"]
 
 REFERENCE_CASE = ("1f1b", 8)
 """The case ``runtime_overhead["pipeline_microbatch"]`` holds (the one case profiles measured before the table)."""
@@ -44,6 +44,27 @@ def pipeline_overheads(device: torch.device, rank: int, repeats: int, group: Any
     ``p2p_s`` each).  Both ranks of every pair call it; rank 0's numbers are the pair's."""
     return {pipeline_key(kind, m): pipeline_overhead_two_ranks(device, rank, repeats, group, m, p2p_s, kind)
             for kind, m in PIPELINE_CASES}
+
+
+def slowest(seconds: float, group: Any = None) -> float:
+    """The largest of every rank's ``seconds`` in ``group`` (all its ranks call it)."""
+    import torch.distributed as dist
+
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.item()
+
+
+def per_call_s(fn: Any, calls: int) -> float:
+    """Seconds per call of ``calls`` back-to-back calls of ``fn`` after a barrier, the slowest rank's (every rank of
+    the default group calls it)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return slowest((time.perf_counter() - t0) / calls)
 
 
 def loss_sync_under_load(repeats: int = 3, calls: int = 50, compute_s: float = 1e-3) -> float:
@@ -69,17 +90,9 @@ def loss_sync_under_load(repeats: int = 3, calls: int = 50, compute_s: float = 1
         compute()
         dist.all_reduce(x)
 
-    def window(fn: Any) -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        t = torch.tensor([(time.perf_counter() - t0) / calls], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.item()
-
     for fn in (compute, loaded):  # warm-up
         for _ in range(5):
             fn()
     # adjacent pairs: the machine's speed, which moves over seconds, cancels in each difference
-    return max(statistics.median(window(loaded) - window(compute) for _ in range(max(repeats, 1))), 0.0)
+    pairs = [per_call_s(loaded, calls) - per_call_s(compute, calls) for _ in range(max(repeats, 1))]
+    return max(statistics.median(pairs), 0.0)
