@@ -181,6 +181,9 @@ class TimeBreakdown:
     gradient all-reduce of parameters tied across pipeline stages."""
     dp_collectives: float = 0.0
     """All data-parallel collective time of the iteration, hidden or not (not part of ``total``)."""
+    matmul: float = 0.0
+    """The part of ``compute`` spent in matmul-like ops (GEMMs, attention, convolutions) on the busiest pipeline
+    rank, as ``autopar calibrate`` measures it apart (not added to ``total``)."""
 
     @property
     def total(self) -> float:

@@ -8,7 +8,15 @@ p2p (transfer + bubble), idle and optimizer, rescaled to that step time.
 The fit compares, per plan, the prediction's critical-rank breakdown with the measured one (the busiest rank; its
 collectives without the wait for the slowest rank, see :func:`measured_observation`):
 
-    [compute, exposed communication, optimizer, step total]  (each relative to the measured step time)
+    [compute, its matmul-like part, exposed communication, optimizer, step total]  (each relative to the measured
+    step time)
+
+The matmul-like part (GEMMs, attention, convolutions: ``TimeBreakdown.matmul`` against the attribution's
+``matmul``) tells the fit how much of the compute the arithmetic rate explains and how much the per-op eager cost:
+without it, on this 2-core VM, the fit raised the matmul rate's factor to x2.0-2.3 for compute that the profiler
+finds outside the GEMMs (0.76 of 3.1 ms in matmuls at batch 2 per rank).  Left out of the fit one run at a time, the
+five fit runs of ``benchmarks/calibrate_cpu.py`` (six saved runs) were predicted within 20% 16 times of 30 with it,
+10 without it.
 
 The prediction of a plan under a candidate profile is the planner's own: the search re-run with the plan's mesh,
 ZeRO level, micro-batch, schedule and recompute pinned (:func:`predict`), so calibration checks the same code path
@@ -68,7 +76,7 @@ FIT_FACTORS = ("matmul", "vector", "memory", "overhead", "dtensor", "fsdp", "ove
 """Device factors fitted by default (``overlap`` where the schema has it, ``dtensor`` when a plan runs tensor
 parallelism, ``fsdp`` when one runs FSDP2, ZeRO >= 1 with dp > 1); ``link.alpha``/``link.beta`` are added when the
 plans communicate (see :func:`calibrate`)."""
-_OBS = ("compute", "comm", "optimizer", "total")
+_OBS = ("compute", "matmul", "comm", "optimizer", "total")
 DETERMINED = 0.05
 """A default factor is fitted only if scaling it by 10 or by 1/10 moves some observation of the runs by this share of
 that run's measured step time: below it, the runs do not determine the factor (their step times vary more than that
@@ -152,16 +160,23 @@ def measure_plan(plan_path: str | Path, model: str, *, steps: int = 16, warmup: 
 
 
 def model_step(model: str, seq: int | None = None) -> Callable[[], None]:
-    """A training step of zoo ``model`` at batch 2 on CPU (forward, the zoo's loss for it, backward): with
-    ``functools.partial``, the workload of :func:`autopar.profiles.eager.time_concurrent` for the time-slicing factor
-    of that model's ranks on oversubscribed cores."""
+    """A training step of zoo ``model`` at batch 2 on CPU (forward, the zoo's loss for it, backward, and the worker's
+    AdamW step): with ``functools.partial``, the workload of :func:`autopar.profiles.eager.time_concurrent` for the
+    time-slicing factor of that model's ranks on oversubscribed cores.  The optimizer belongs in it: it sweeps every
+    parameter's four copies, which a core shared with another process has evicted (paired on this VM, 4 against 2
+    processes on 2 cores: x2.35 and x2.07 without it, x2.50 and x2.25 with it; runs spend 20-40% of a step there)."""
+    import torch
+
     from autopar.zoo import build
 
     spec = build(model, batch=2, device="cpu", seq=seq)
     target = spec.make_target(2, "cpu")
+    opt = torch.optim.AdamW(spec.model.parameters(), lr=1e-6)
 
     def step() -> None:
         spec.loss_fn(spec.model(*spec.example_inputs), target).backward()
+        opt.step()
+        opt.zero_grad()
 
     return step
 
@@ -202,9 +217,10 @@ def predict(graph: Graph, profile: ClusterProfile, plan: Plan) -> Plan:
 
 
 def observation(plan: Plan) -> list[float]:
-    """The predicted ``[compute, comm, optimizer, total]`` of a plan (critical pipeline rank)."""
+    """The predicted ``[compute, matmul, comm, optimizer, total]`` of a plan (critical pipeline rank; ``matmul``:
+    the part of compute in matmul-like ops)."""
     t = plan.time
-    return [t.compute + getattr(t, "contention", 0.0), t.exposed_comm, t.optimizer, t.total]
+    return [t.compute + getattr(t, "contention", 0.0), t.matmul, t.exposed_comm, t.optimizer, t.total]
 
 
 def measured_observation(m: RunMeasurement) -> list[float]:
@@ -215,7 +231,7 @@ def measured_observation(m: RunMeasurement) -> list[float]:
     its uneven share of the cores), which no link coefficient describes.  With pipeline stages, the busiest rank's."""
     c = m.critical()
     comm = min(r["comm"] for r in m.ranks) if m.mesh[0] == 1 else c["comm"]
-    return [c["compute"], comm, c["optimizer"], m.step_s]
+    return [c["compute"], c["matmul"], comm, c["optimizer"], m.step_s]
 
 
 def plan_graph(plan: Plan, model: str, seq: int | None) -> Graph:

@@ -257,6 +257,14 @@ def build_plan(graph: Graph, profile: ClusterProfile, options: PlanOptions, s: S
                          peak_flops=peak)
 
 
+def _matmul_s(chunks: Sequence[tuple[int, int]], rank: int, pp: int, rc: str, table: LayerTable) -> float:
+    """Seconds of matmul-like ops (``GroupSolution.matmul_*``) of one micro-batch on pipeline rank ``rank``: its
+    chunks' forward and backward, and the forward again under full recomputation (selective recomputes none)."""
+    again = 1.0 if rc == "full" else 0.0
+    return sum(sol.matmul_fwd_s * (1.0 + again) + sol.matmul_bwd_s
+               for k, (a, b) in enumerate(chunks) if k % pp == rank for sol in table.solutions[a:b])
+
+
 def assemble_plan(graph: Graph, options: PlanOptions, s: Screened, table: LayerTable,
                   chunks: Sequence[tuple[int, int]],
                   got: tuple[ScheduleResult, list[str], list[MemoryBreakdown], list[float], list[DpComm]], *,
@@ -277,7 +285,9 @@ def assemble_plan(graph: Graph, options: PlanOptions, s: Screened, table: LayerT
     tb = TimeBreakdown(compute=busy - tp_comm[crit] + eager, exposed_comm=exposed, bubble=sim.bubble_s,
                        optimizer=sim.optimizer_s, contention=contention,
                        dp_exposed=min(comms[last].exposed_s, tail - contention - eager),
-                       dp_collectives=max(x.collective_s for x in comms))
+                       dp_collectives=max(x.collective_s for x in comms),
+                       matmul=_matmul_s(chunks, crit, c.pp, rcs[crit], rank_tables[crit] if rank_tables else table)
+                       * c.num_microbatches)
     stages = []
     for k, (a, b) in enumerate(chunks):
         names = tuple("<prefix>" if g.role == "prefix" else "<suffix>" if g.role == "suffix" else

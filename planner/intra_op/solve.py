@@ -33,10 +33,13 @@ from autopar.planner.intra_op.rules import strategies_for
 from autopar.planner.intra_op.strategy import Strategy
 from autopar.profiles.cost import CostModel, GroupSpan
 
-__all__ = ["GroupSolution", "solve_group", "solve_graph", "strategy_costs"]
+__all__ = ["MATMUL_KINDS", "GroupSolution", "solve_group", "solve_graph", "strategy_costs"]
 
 log = logging.getLogger(__name__)
 _RECOMPUTE_KINDS = frozenset({"pointwise", "norm", "softmax"})
+MATMUL_KINDS = frozenset({"matmul", "attention", "conv"})
+"""The op kinds whose time a plan reports apart (``TimeBreakdown.matmul``): those of the profiler's matmul-like ops
+(``autopar.planner.run.attribution``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -73,18 +76,25 @@ class GroupSolution:
     """Parameters sharded interleaved (``S(d)`` of ``[k, n/k]``'s inner factor, e.g. a fused qkv weight): FQN -> k."""
     collectives: tuple[tuple[str, str, str, float], ...] = ()
     """(node, "fwd"|"bwd", collective, seconds) for every tp collective, in node order."""
+    matmul_fwd_s: float = 0.0
+    """The part of ``fwd_compute_s`` spent in matmul-like ops (:data:`MATMUL_KINDS`: GEMMs, attention,
+    convolutions), what ``autopar calibrate``'s attribution measures apart (``matmul``)."""
+    matmul_bwd_s: float = 0.0
+    """The same part of ``bwd_compute_s``."""
 
 
 def _report(graph: Graph, group: LayerGroup, t: int, co: _Coster, m: _Model, choices: list[int],
             core: CoreSolution, wall: float) -> GroupSolution:
     chosen = [m.strats[v][choices[v]] for v in range(m.n)]
     b_in = m.bplaces[choices[m.n]] if m.bplaces else "R"
-    fwd_c = bwd_c = fwd_m = bwd_m = 0.0
+    fwd_c = bwd_c = fwd_m = bwd_m = mm_f = mm_b = 0.0
     colls: list[tuple[str, str, str, float]] = []
     for v, n in enumerate(m.nodes):
         cf, cb = m.comp[v][choices[v]]
         uf, ub, uc = m.unary[v][choices[v]]
         fwd_c, bwd_c, fwd_m, bwd_m = fwd_c + cf, bwd_c + cb, fwd_m + uf, bwd_m + ub
+        if n.kind in MATMUL_KINDS:
+            mm_f, mm_b = mm_f + cf, mm_b + cb
         colls += [(n.name, d, k, s) for d, k, s in uc]
     seen: set[tuple] = set()  # one collective per (value, conversion), shared by its consumers
     for e in m.edges:
@@ -127,7 +137,7 @@ def _report(graph: Graph, group: LayerGroup, t: int, co: _Coster, m: _Model, cho
         param_elems=float(elems), boundary_in=public_placement(b_in), boundary_out=public_placement(out_pl),
         out_bytes=out_b / t if is_shard(out_pl) else out_b, status=core.status, objective_s=core.objective,
         best_bound_s=core.bound, gap=core.gap, wall_s=wall, param_split_factors=split,
-        collectives=tuple(colls))
+        collectives=tuple(colls), matmul_fwd_s=mm_f, matmul_bwd_s=mm_b)
 
 
 def _param_placements(graph: Graph, group: LayerGroup, m: _Model,

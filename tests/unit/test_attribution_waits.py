@@ -56,11 +56,11 @@ def test_fit_observes_collectives_without_the_wait_for_the_straggler() -> None:
     from autopar.planner.calibrate import RunMeasurement, measured_observation
 
     def rank(compute: float, comm: float) -> dict[str, float]:
-        return {"compute": compute, "comm": comm, "p2p": 0.0, "idle": 0.0, "optimizer": 0.001, "matmul": 0.0,
-                "step": 0.012}
+        return {"compute": compute, "comm": comm, "p2p": 0.0, "idle": 0.0, "optimizer": 0.001,
+                "matmul": compute / 2, "step": 0.012}
 
     ranks = [rank(0.010, 0.001), rank(0.006, 0.0055)]  # rank 1 waits 4.5 ms in the collective for rank 0
     dp = RunMeasurement(plan_path="x.yaml", model="m", mesh=(1, 2, 1), step_s=0.012, ranks=ranks)
-    assert measured_observation(dp) == pytest.approx([0.006, 0.001, 0.001, 0.012])  # busiest: rank 1 (0.0125)
+    assert measured_observation(dp) == pytest.approx([0.006, 0.003, 0.001, 0.001, 0.012])  # busiest: rank 1
     pp = RunMeasurement(plan_path="x.yaml", model="m", mesh=(2, 1, 1), step_s=0.012, ranks=ranks)
-    assert measured_observation(pp) == pytest.approx([0.006, 0.0055, 0.001, 0.012])  # stages differ: the busiest's
+    assert measured_observation(pp) == pytest.approx([0.006, 0.003, 0.0055, 0.001, 0.012])  # the busiest's

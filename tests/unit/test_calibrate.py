@@ -185,9 +185,9 @@ def _graph(name: str) -> ir.Graph:
 
 def _synthetic_run(plan: ir.Plan, truth_plan: ir.Plan) -> RunMeasurement:
     """A run measured as the truth profile predicts it (critical rank = every rank)."""
-    c, comm, opt, total = observation(truth_plan)
+    c, mm, comm, opt, total = observation(truth_plan)
     rank = {"compute": c, "comm": comm, "p2p": truth_plan.time.bubble, "idle": 0.0, "optimizer": opt,
-            "matmul": 0.0, "step": total}
+            "matmul": mm, "step": total}
     return RunMeasurement(plan_path="synthetic.yaml", model=plan.model, mesh=(plan.mesh.pp, plan.mesh.dp,
                           plan.mesh.tp), step_s=total, ranks=[rank] * plan.world_size)
 
@@ -340,3 +340,23 @@ def test_link_factors_rescale_only_the_group_sizes_the_fitted_runs_used() -> Non
         assert (at4.alpha_s, at4.busbw) == (3e-4, 5e8)
     assert apply_factors(four, {"link.alpha": 3.0}).links["intra_node"].all_reduce[1].alpha_s == pytest.approx(9e-4)
 
+
+
+@pytest.mark.parametrize("pins", [{"pp": 1, "dp": 2, "tp": 1}, {"pp": 2, "dp": 1, "tp": 1},
+                                  {"pp": 1, "dp": 1, "tp": 2}])
+def test_a_plan_reports_the_matmul_part_of_its_compute(pins: dict) -> None:
+    """``TimeBreakdown.matmul`` (what the fit compares with the attribution's ``matmul``) is the time of the matmul-like
+    ops: slower GEMMs move it and compute by the same seconds, and a full recomputation adds the forward's GEMMs."""
+    graph, base = _graph("gpt-tiny"), cpu_like()
+
+    def plan(prof: ClusterProfile, recompute: str = "none") -> ir.Plan:
+        opts = PlanOptions(global_batch=8, dtype="float32", top_k=0, workers=1,
+                           pins={**pins, "micro_batch": 2, "recompute": recompute})
+        return search(graph, prof, opts).best
+
+    t, slow = plan(base).time, plan(apply_factors(base, {"matmul": 3.0})).time
+    assert 0.0 < t.matmul < t.compute
+    assert slow.matmul > 1.5 * t.matmul
+    assert slow.compute - slow.matmul == pytest.approx(t.compute - t.matmul, rel=1e-9)
+    full = plan(base, "full").time
+    assert t.matmul < full.matmul < 2 * t.matmul  # forward GEMMs again, fewer than the forward + backward ones
