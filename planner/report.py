@@ -56,7 +56,8 @@ def render_plan(plan: Plan, *, graph: Graph | None = None, width: int | None = N
                                f"({plan.cluster})", ["", ""], head, header=False)]
     t = plan.time
     tot = t.total or 1.0
-    parts = (("compute", t.compute), ("overlap contention", t.contention), ("exposed communication", t.exposed_comm),
+    parts = (("compute", t.compute), ("  of which matmul-like ops", t.matmul), ("overlap contention", t.contention),
+             ("exposed communication", t.exposed_comm),
              ("  of which gradient sync", t.dp_exposed), ("pipeline bubble", t.bubble), ("optimizer step", t.optimizer))
     tables.append(table(f"iteration time {fmt_time(t.total)}", ["", ("time", "right"), ("share", "right")],
                         [[name, fmt_time(v), f"{v / tot:.0%}"] for name, v in parts if v > 0], header=False))
