@@ -33,11 +33,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from gloo_latency import machine_cpu_s  # this folder's benchmark: the machine's busy CPU seconds (/proc/stat)
+from gloo_latency import machine_cpu_s, on_gloo_ranks  # this folder's benchmark: busy CPU s, spawned gloo ranks
 
 from autopar.profiles.eager import time_concurrent
-from autopar.profiles.profiler import free_port, time_collective
+from autopar.profiles.profiler import time_collective
 from autopar.profiles.schema import PIPELINE_CASES, pipeline_key
 from autopar.profiles.syncs import REFERENCE_CASE, loss_sync_under_load, pipeline_overheads, slowest
 
@@ -80,10 +79,7 @@ def _pipeline_step(pair: Any, me: int, repeats: int) -> float:
     return statistics.median(ts)
 
 
-def _worker(rank: int, world: int, port: int, repeats: int, queue: Any) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _measure(rank: int, world: int, repeats: int) -> dict[str, Any]:
     pairs = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)] if world > 2 else [None]
     pair, me = pairs[rank // 2], rank % 2
     cpu = torch.device("cpu")
@@ -95,10 +91,7 @@ def _worker(rank: int, world: int, port: int, repeats: int, queue: Any) -> None:
         dist.barrier()
     res["loss_sync"] = _loss_sync(repeats)
     res["step"] = _pipeline_step(pair, me, repeats)
-    if rank == 0:
-        queue.put(res)
-    dist.barrier()
-    dist.destroy_process_group()
+    return res
 
 
 def main() -> int:
@@ -106,13 +99,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=40, help="adjacent pairs / timed calls per measurement (median)")
     args = ap.parse_args()
     wall0, cpu0 = time.perf_counter(), machine_cpu_s()
-    ctx = mp.get_context("spawn")
-    got = {}
-    for world in (2, 4):
-        queue = ctx.SimpleQueue()
-        mp.start_processes(_worker, args=(world, free_port(), args.repeats, queue), nprocs=world,
-                           start_method="spawn")
-        got[world] = queue.get()
+    got = {world: on_gloo_ranks(world, _measure, args.repeats) for world in (2, 4)}
     slicing = time_concurrent(4) / time_concurrent(2)
     ref = got[2]["pipeline"][pipeline_key(*REFERENCE_CASE)]
     print(f"gloo on {os.cpu_count()} cores, medians of {args.repeats}")

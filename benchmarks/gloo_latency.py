@@ -21,6 +21,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,15 +41,31 @@ def machine_cpu_s() -> float:
     return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
+def _gloo_rank(rank: int, world: int, port: int, measure: Callable[..., Any], args: tuple, queue: Any) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    res = measure(rank, world, *args)
+    if rank == 0:
+        queue.put(res)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def on_gloo_ranks(world: int, measure: Callable[..., Any], *args: Any) -> Any:
+    """``measure(rank, world, *args)`` in ``world`` spawned processes (one compute thread each) in one gloo process
+    group; rank 0's result.  ``measure`` must be a module-level function (spawn pickles it)."""
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_gloo_rank, args=(world, free_port(), measure, args, queue), nprocs=world, start_method="spawn")
+    return queue.get()
+
+
 def _windows(fn: Any, calls: int, repeat: int) -> float:
     """Median over ``repeat`` windows of the per-call time of ``calls`` calls of ``fn`` (slowest rank's)."""
     return statistics.median(per_call_s(fn, calls) for _ in range(repeat))
 
 
-def _worker(rank: int, world: int, size: int, port: int, args: argparse.Namespace, queue: Any) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _measure(rank: int, world: int, size: int, args: argparse.Namespace) -> dict[str, float]:
     blocks = world // size
     groups = [dist.new_group(list(range(b * size, (b + 1) * size))) for b in range(blocks)] if size < world else [None]
     group = groups[rank // size]
@@ -75,10 +92,7 @@ def _worker(rank: int, world: int, size: int, port: int, args: argparse.Namespac
            "compute": _windows(compute, calls, args.repeat),
            "with compute": _windows(both, calls, args.repeat)}
     res["with compute"] -= res["compute"]
-    if rank == 0:
-        queue.put(res)
-    dist.barrier()
-    dist.destroy_process_group()
+    return res
 
 
 def main() -> int:
@@ -88,14 +102,11 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3, help="timed windows per way (median)")
     args = ap.parse_args()
     wall0, cpu0 = time.perf_counter(), machine_cpu_s()
-    ctx = mp.get_context("spawn")
     print(f"all_reduce of {args.nbytes} B on gloo, {os.cpu_count()} cores; per call, median of {args.repeat} windows "
           f"of {args.calls} calls")
     print(f"{'ranks':>5} {'group':>5} {'isolated us':>12} {'chained us':>11} {'x':>6} {'with compute us':>16} {'x':>6}")
     for world, size in CASES:
-        queue = ctx.SimpleQueue()
-        mp.start_processes(_worker, args=(world, size, free_port(), args, queue), nprocs=world, start_method="spawn")
-        r = queue.get()
+        r = on_gloo_ranks(world, _measure, size, args)
         iso = max(r["isolated"], 1e-9)
         print(f"{world:>5} {size:>5} {r['isolated'] * 1e6:>12.0f} {r['chained'] * 1e6:>11.0f} "
               f"{r['chained'] / iso:>6.2f} {r['with compute'] * 1e6:>16.0f} {r['with compute'] / iso:>6.2f}")
