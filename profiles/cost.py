@@ -283,6 +283,12 @@ class CostModel:
             ratio = sum(table.values()) / len(table)
         return dev.launch_overhead_s * ratio * dev.sharded_op_overhead
 
+    def redistribute_overhead(self) -> float:
+        """Seconds of DTensor's eager work for one tensor-parallel resharding per pass, its collective excluded
+        (``runtime_overhead["redistribute"]``, :mod:`autopar.profiles.redistribute`; 0 when not measured, as on GPU
+        profiles), scaled like DTensor's per-op dispatch by ``sharded_op_overhead``."""
+        return self.runtime_overhead("redistribute") * self.profile.device.sharded_op_overhead
+
     def runtime_overhead(self, kind: str) -> float:
         """Seconds of the runtime's eager work ``kind`` (``DeviceProfile.runtime_overhead``; 0 when not measured)."""
         dev = self.profile.device

@@ -172,7 +172,7 @@ def _runtime_overheads(device: torch.device, sync: Callable[[], None], repeats: 
                        tensors: int = 32, units: int = 8) -> dict[str, float]:
     """The training runtime's eager work beyond the model's ops (``DeviceProfile.runtime_overhead``), in units of
     ``per_pass``: AdamW's step per parameter tensor (the worker's optimizer) on plain tensors and, in a one-rank
-    process group (:func:`measure_runtime_overheads`), on DTensor ones (as tensor parallelism and FSDP hold them);
+    process group (:func:`measure_one_rank_overheads`), on DTensor ones (as tensor parallelism and FSDP hold them);
     in that group also FSDP2's per-unit and per-tensor work for one forward and backward (``fully_shard`` on the
     one-rank mesh, so that its collectives cost next to nothing: ``units`` units of 1 and of 8 tiny linears, each
     against the same modules unsharded) and the pipeline
@@ -219,10 +219,11 @@ def _runtime_worker(queue: Any, threads: int, repeats: int) -> None:
             dist.destroy_process_group()
 
 
-def measure_runtime_overheads(*, threads: int = 1, repeats: int = 5) -> tuple[dict[str, float], dict[str, float]]:
+def measure_one_rank_overheads(*, threads: int = 1, repeats: int = 5) -> tuple[dict[str, float], dict[str, float]]:
     """:func:`_runtime_overheads` and :func:`_sharded_op_overheads` on CPU in a process of its own (a one-rank gloo
-    group), relative to the op cost per pass measured in that process: the ``runtime_overhead`` and the
-    ``dtensor_op_overhead`` of a CPU profile."""
+    group), relative to the op cost per pass measured in that process (with DTensor's resharding cost,
+    :func:`autopar.profiles.redistribute.measure_runtime_overheads`: the ``runtime_overhead`` and the
+    ``dtensor_op_overhead`` of a CPU profile)."""
     ctx = process_context()
     queue = ctx.Queue()
     proc = ctx.Process(target=with_env, args=(dict(os.environ), _runtime_worker, queue, threads, repeats))

@@ -64,7 +64,6 @@ from autopar.profiles.eager import (  # noqa: F401  (re-exported: the profiler's
     _sync_fn,
     _time_calls,
     _training_op_overhead,
-    measure_runtime_overheads,
     oversubscribed,
     probe_send_s,
     process_context,
@@ -74,6 +73,7 @@ from autopar.profiles.eager import (  # noqa: F401  (re-exported: the profiler's
 from autopar.profiles.fit import busbw_from_beta, fit_alpha_beta
 from autopar.profiles.profiler_args import build_parser
 from autopar.profiles.rates import attention_curve, time_matmul, vector_rate
+from autopar.profiles.redistribute import measure_runtime_overheads  # noqa: F401  (re-exported, as above)
 from autopar.profiles.schema import SCHEMA_VERSION, ClusterProfile, pipeline_key, profile_from_dict, save_profile
 from autopar.profiles.syncs import REFERENCE_CASE, loss_sync_under_load, pipeline_overheads
 

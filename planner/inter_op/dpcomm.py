@@ -49,7 +49,18 @@ micro-batch (pre/post forward and backward hooks, the all-gather's copy-in and c
 copy-in, DTensor wrapping of the sharded parameters and gradients), ``fsdp_unit`` per unit and ``fsdp_tensor`` per
 parameter tensor (:meth:`autopar.profiles.cost.CostModel.fsdp_eager`; measured by ``autopar profile``, 0 on GPU
 profiles, where this host work runs ahead of the kernels).  It is compute on the rank's timeline (``eager_s``), not
-hidden under communication.  ZeRO 3's second gather is charged the same per-unit cost (not measured apart).
+hidden under communication.  ZeRO 3's second gather is charged the same per-unit cost (not measured apart).  Its
+copies move bytes as well (``torch.distributed.fsdp._fully_shard._fsdp_collectives``): a gather copies the shards
+in (``2 S / g``) and the gathered unit out into its parameters (``2 S``), a reduce-scatter concatenates the unit's
+gradients into its input (``2 S``) and adds its shard (``2 S / g``), each micro-batch.
+
+**ZeRO 0's bucket work** (:func:`bucket_host_s`): the runtime (``codegen.runtime.data_parallel``, like DDP without
+``gradient_as_bucket_view``) copies each bucket's gradients into one flat tensor (``torch.cat``), divides it in place
+after the all-reduce and copies it back into the gradients (one multi-tensor copy): the gradients' bytes ``S`` read
+and written three times (``6 S`` of memory traffic), three ops per bucket, plus the views that flatten and unflatten
+each parameter tensor.  That is compute on the rank's timeline too (``eager_s``): on this VM's CPU ranks gpt-tiny's
+28 gradient tensors (0.44 MB) cost ~0.45 ms of its 6 ms dp=2 step (measured with one ``copy_`` per tensor), which an
+earlier model left out.
 """
 
 from __future__ import annotations
@@ -59,7 +70,7 @@ from dataclasses import dataclass
 
 from autopar.profiles.cost import CostModel
 
-__all__ = ["DpComm", "dp_comm", "overlap_step"]
+__all__ = ["DpComm", "bucket_host_s", "dp_comm", "overlap_step"]
 
 Collective = Callable[[str, float], float]
 """``(kind, nbytes) -> seconds`` on the rank's data-parallel group."""
@@ -77,7 +88,8 @@ class DpComm:
     collective_s: float
     """Sum of all data-parallel collective times of the iteration (hidden or not), for reports."""
     eager_s: float = 0.0
-    """FSDP2's eager (host) work of the iteration: compute time the rank spends in its hooks."""
+    """Host work of the iteration that is compute on the rank's timeline: FSDP2's hooks (ZeRO >= 1), ZeRO 0's
+    bucket copies (:func:`bucket_host_s`)."""
     overlapped: bool = True
     """ZeRO 0: the gradient all-reduce goes out in buckets during the backward (False: one after it)."""
 
@@ -97,6 +109,19 @@ def overlap_step(x: float, c: float, kappa: float) -> tuple[float, float]:
 def _chain(x: float, c: float, steps: int, kappa: float) -> tuple[float, float]:
     e, k = overlap_step(x, c, kappa)
     return e * steps, k * steps
+
+
+def bucket_host_s(cost: CostModel, nbytes: float, tensors: float, buckets: int) -> float:
+    """Seconds of ZeRO 0's work around its gradient all-reduces on one rank (see the module docstring): ``nbytes``
+    of gradients in ``tensors`` parameter tensors, synchronized in ``buckets`` flat buckets.  Per bucket a ``cat``,
+    an in-place division and a multi-tensor copy back, each reading and writing the bucket; per tensor three views
+    (flattened for the ``cat``, split and shaped for the copy back)."""
+    if nbytes <= 0:
+        return 0.0
+    k = max(buckets, 1)
+    ops = (cost.op_time(0.0, 2 * nbytes / k, "float32", "other")
+           + 2 * cost.op_time(0.0, 2 * nbytes / k, "float32", "pointwise"))
+    return k * ops + 3 * max(tensors, 0.0) * cost.op_overhead("view")
 
 
 def dp_comm(cost: CostModel, *, params: float, units: int, fwd_s: float, bwd_s: float, num_microbatches: int,
@@ -132,10 +157,10 @@ def dp_comm(cost: CostModel, *, params: float, units: int, fwd_s: float, bwd_s: 
     if zero == 0:
         if not overlap:
             t = coll("all_reduce", params * reduce_item)
-            return DpComm(t, 0.0, t, overlapped=False)
+            return DpComm(t, 0.0, t, bucket_host_s(cost, params * reduce_item, param_tensors, 1), overlapped=False)
         ar = coll("all_reduce", unit * reduce_item)
         e, k = _chain(b, ar, n - 1, kappa)
-        return DpComm(e + ar, k, n * ar)
+        return DpComm(e + ar, k, n * ar, bucket_host_s(cost, params * reduce_item, param_tensors, n))
     k = max(per_unit, 1.0)
     ag1 = coll("all_gather", unit * param_item / k)
     ag = k * ag1
@@ -147,7 +172,13 @@ def dp_comm(cost: CostModel, *, params: float, units: int, fwd_s: float, bwd_s: 
         rs += 4 * unit * reduce_item / dev.memory_bandwidth + k * launches
     gathers = (3 if recompute_regather else 2) if zero == 3 else 1
     per_mb = n * (gathers * ag + rs)
-    eager = m * cost.fsdp_eager(n, param_tensors) if per_unit <= 1.0 else 0.0  # FSDP2's hooks (not DeepSpeed's)
+    eager = 0.0
+    if per_unit <= 1.0:  # FSDP2's hooks and copies (DeepSpeed's list form pays its HBM passes above)
+        dev = cost.profile.device
+        copies = 2 * unit * (1 + 1 / dp) * (gathers * param_item + reduce_item) / dev.memory_bandwidth
+        # a profile that measured FSDP2's work per unit (CPU) holds its copy launches; else one per copy kernel
+        launches = 0.0 if "fsdp_unit" in dev.runtime_overhead else (2 * gathers + 2) * cost.op_overhead("pointwise")
+        eager = m * (cost.fsdp_eager(n, param_tensors) + n * (copies / dev.sustained_fraction + launches))
     if not overlap:
         return DpComm(m * per_mb, 0.0, m * per_mb, eager)
     ef, kf = _chain(f, ag, n - 1, kappa)

@@ -47,6 +47,7 @@ class _Coster:
         self._coll: dict[tuple[str, float], float] = {}
         self._saved: dict[str, float] = {}  # node -> bytes its backward re-reads (unsharded)
         self.requires_grad = gradient_values(graph) if requires_grad is None else requires_grad
+        self.redistribute_s = cost.redistribute_overhead()  # DTensor's eager work per conversion and pass
 
     def tensor_bytes(self, meta: TensorMeta, activation: bool = True) -> float:
         item = self.item if meta.dtype in FLOAT_DTYPES else DTYPE_BYTES.get(meta.dtype, 4)
@@ -59,19 +60,21 @@ class _Coster:
         return self._coll[key]
 
     def convert(self, src: str | None, dst: str | None, nbytes: float) -> tuple[float, str]:
-        """Time and collective to turn a value (or gradient) held as ``src`` into ``dst``."""
+        """Time and collective to turn a value (or gradient) held as ``src`` into ``dst``: the collective's time
+        plus DTensor's eager work for the resharding (:attr:`redistribute_s`, which a local slice pays alone)."""
         if src is None or dst is None or src == dst:
             return 0.0, ""
         if dst == "P":
             return INF, ""
+        o = self.redistribute_s
         if src == "R":
-            return 0.0, ""  # local slice
+            return o, ""  # local slice
         if src == "P":
             kind = "all_reduce" if dst == "R" else "reduce_scatter"
-            return self.coll(kind, nbytes), kind
+            return self.coll(kind, nbytes) + o, kind
         if dst == "R":
-            return self.coll("all_gather", nbytes), "all_gather"
-        return self.coll("all_to_all", nbytes / self.t), "all_to_all"
+            return self.coll("all_gather", nbytes) + o, "all_gather"
+        return self.coll("all_to_all", nbytes / self.t) + o, "all_to_all"
 
     def reshard(self, out: str, need_in: str | None, grad: str | None, nbytes: float,
                 rg: bool = True) -> tuple[float, float, str, str]:

@@ -97,14 +97,21 @@ def _report(graph: Graph, group: LayerGroup, t: int, co: _Coster, m: _Model, cho
             mm_f, mm_b = mm_f + cf, mm_b + cb
         colls += [(n.name, d, k, s) for d, k, s in uc]
     seen: set[tuple] = set()  # one collective per (value, conversion), shared by its consumers
+    eager: dict[str, float] = {}  # DTensor's eager work of the conversions into each node: compute on its rank
     for e in m.edges:
         kf_, f, kf, kb_, b, kb = _edge_terms(m, co, e, choices[e.u], choices[e.v])
         name = m.nodes[e.v].name
         for key, sec, kind, d in ((kf_, f, kf, "fwd"), (kb_, b, kb, "bwd")):
-            if kind and (e.u, e.nbytes, key) not in seen:
+            if (kind or sec > 0) and (e.u, e.nbytes, key) not in seen:
                 seen.add((e.u, e.nbytes, key))
-                colls.append((name, d, kind, sec))
-                fwd_m, bwd_m = (fwd_m + sec, bwd_m) if d == "fwd" else (fwd_m, bwd_m + sec)
+                o = min(sec, co.redistribute_s)
+                eager[name] = eager.get(name, 0.0) + o
+                if kind:
+                    colls.append((name, d, kind, sec - o))
+                if d == "fwd":
+                    fwd_m, fwd_c = fwd_m + sec - o, fwd_c + o
+                else:
+                    bwd_m, bwd_c = bwd_m + sec - o, bwd_c + o
     colls.sort(key=lambda c: graph.index(c[0]))
     ops = []
     for v, n in enumerate(m.nodes):
@@ -118,7 +125,8 @@ def _report(graph: Graph, group: LayerGroup, t: int, co: _Coster, m: _Model, cho
             ins.append(public_placement(p))
         comm = "+".join(f"{d}:{k}" for _, d, k, _ in mine)
         ops.append(OpSharding(node=n.name, op=n.op, strategy=chosen[v].name, inputs=tuple(ins),
-                              output=public_placement(chosen[v].output), compute_s=sum(m.comp[v][choices[v]]),
+                              output=public_placement(chosen[v].output),
+                              compute_s=sum(m.comp[v][choices[v]]) + eager.get(n.name, 0.0),
                               comm_s=sum(c[3] for c in mine), comm=comm))
     pp, split = _param_placements(graph, group, m, chosen)
     acts = _activation_report(graph, group, co, m, chosen, b_in, fwd_c, fwd_m)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from autopar.codegen.runtime import data_parallel as dpm
-from autopar.planner.inter_op.dpcomm import dp_comm, overlap_step
+from autopar.planner.inter_op.dpcomm import bucket_host_s, dp_comm, overlap_step
 from autopar.profiles.builtin import load_builtin
 from autopar.profiles.cost import RING_HOP_S, CostModel
 from autopar.profiles.schema import ProfileError, dump_profile, loads_profile
@@ -92,6 +92,43 @@ def test_no_overlap_and_ddp() -> None:
     assert bucketed.exposed_s < flat.exposed_s  # only the last bucket's all-reduce is exposed
     assert dp_comm(cost, params=1e9, units=4, fwd_s=1.0, bwd_s=2.0, num_microbatches=1, dp=1, tp=1, zero=3,
                    param_item=2, reduce_item=4).total_s == 0.0
+
+
+def test_zero0_charges_its_bucket_copies_as_compute() -> None:
+    """ZeRO 0's flatten, in-place average and copy back (``data_parallel._flat_grads`` / ``_unflatten_into``) read
+    and write the gradients three times: host work on the rank's timeline, so ``eager_s``; more buckets (the
+    overlapped sync, one per unit) pay more ops, and where views cost eager time (CPU profiles) more tensors more."""
+    cost = _cost()
+    dev = cost.profile.device
+    kw = {"params": 1e9, "units": 32, "fwd_s": 1.0, "bwd_s": 2.0, "num_microbatches": 4, "dp": 8, "tp": 1,
+          "zero": 0, "param_item": 2, "reduce_item": 4, "param_tensors": 300}
+    flat, bucketed = dp_comm(cost, overlap=False, **kw), dp_comm(cost, **kw)  # type: ignore[arg-type]
+    traffic = 6 * 4e9 / dev.memory_bandwidth / dev.sustained_fraction
+    assert traffic < flat.eager_s == pytest.approx(bucket_host_s(cost, 4e9, 300, 1))
+    assert flat.eager_s < traffic * 1.01  # GPU: a few launches against gigabytes of copies
+    assert bucketed.eager_s == pytest.approx(bucket_host_s(cost, 4e9, 300, 32)) and bucketed.eager_s > flat.eager_s
+    assert flat.total_s == pytest.approx(flat.exposed_s + flat.eager_s) and bucket_host_s(cost, 0.0, 300, 1) == 0.0
+    assert dp_comm(cost, **{**kw, "dp": 1}).eager_s == 0.0  # type: ignore[arg-type]
+    view = dataclasses.replace(dev, op_overhead={**dev.op_overhead, "view": 0.5})
+    cpu = CostModel(dataclasses.replace(cost.profile, device=view))
+    more = bucket_host_s(cpu, 4e9, 600, 1) - bucket_host_s(cpu, 4e9, 300, 1)
+    assert more == pytest.approx(300 * 3 * 0.5 * dev.launch_overhead_s)
+
+
+def test_fsdp2_charges_its_copies_and_their_launches_where_not_measured() -> None:
+    """FSDP2 copies each gathered unit in and out and each reduce-scatter's input in (``_fsdp_collectives``): bytes
+    at HBM bandwidth each micro-batch, ZeRO 3's second gather included, and one launch per copy kernel on a profile
+    without FSDP2's measured per-unit work."""
+    cost = _cost()
+    dev = cost.profile.device
+    z1, z3 = _z3(cost, zero=1, overlap=False), _z3(cost, overlap=False)
+    per_mb = lambda gathers: 2 * 1e9 * (1 + 1 / 512) * (gathers * 2 + 4) / dev.memory_bandwidth  # noqa: E731
+    launches = 32 * cost.op_overhead("pointwise")
+    assert z1.eager_s == pytest.approx(per_mb(1) / dev.sustained_fraction + 4 * launches)
+    assert z3.eager_s == pytest.approx(per_mb(2) / dev.sustained_fraction + 6 * launches)
+    measured = dataclasses.replace(dev, runtime_overhead={"fsdp_unit": 0.0, "fsdp_tensor": 0.0})
+    got = _z3(CostModel(dataclasses.replace(cost.profile, device=measured)), zero=1, overlap=False)
+    assert got.eager_s == pytest.approx(per_mb(1) / dev.sustained_fraction)
 
 
 def test_per_tensor_collectives_and_regather() -> None:

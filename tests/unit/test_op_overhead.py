@@ -63,7 +63,9 @@ def test_schema_round_trips_and_checks_op_overhead() -> None:
 
 def test_views_cost_their_overhead_in_a_plan() -> None:
     graph, base = _graph("gpt-tiny"), cpu_like()
-    opts = PlanOptions(global_batch=8, dtype="float32", top_k=0, workers=1, pins={"pp": 1, "dp": 2, "tp": 1})
+    # ZeRO 1: ZeRO 0's gradient buckets would add three views per parameter tensor (dpcomm.bucket_host_s)
+    opts = PlanOptions(global_batch=8, dtype="float32", top_k=0, workers=1,
+                       pins={"pp": 1, "dp": 2, "tp": 1, "zero": 1})
     p0 = search(graph, base, opts).best
     ones = {k: 1.0 for k in TABLE if k != "view"}
     assert predict(graph, with_table(base, ones), p0).time.total == pytest.approx(p0.time.total)  # the default

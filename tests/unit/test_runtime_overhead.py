@@ -10,11 +10,13 @@ import dataclasses
 
 import pytest
 from test_calibrate import NOISE_FREE, _graph, _synthetic_run, cpu_like  # the calibration tests' synthetic runs
+from test_intra_op import _trace_gpt
 
 from autopar.planner.calibrate import calibrate, predict
 from autopar.planner.options import PlanOptions
 from autopar.planner.search import search
 from autopar.profiles import ClusterProfile, CostModel
+from autopar.profiles.builtin import load_builtin
 from autopar.profiles.refit import apply_factors
 from autopar.profiles.schema import OP_KINDS, ProfileError, profile_from_dict, profile_to_dict
 
@@ -49,14 +51,17 @@ def test_fsdp_eager_is_charged_as_compute_of_zero1_plans_only() -> None:
     base = cpu_like()
     lo = base.device.launch_overhead_s
     unit_only = with_runtime(base, {"fsdp_unit": 150.0})
-    a, b = plan(base, zero=1, dp=2, tp=1, pp=1), plan(unit_only, zero=1, dp=2, tp=1, pp=1)
+    # against a profile that measured FSDP2's per-unit work as 0 (one that did not pays its copy launches instead)
+    zero_unit = with_runtime(base, {"fsdp_unit": 0.0})
+    a, b = plan(zero_unit, zero=1, dp=2, tp=1, pp=1), plan(unit_only, zero=1, dp=2, tp=1, pp=1)
     assert a.zero == b.zero == 1 and a.num_microbatches == b.num_microbatches
     units = sum(s.layer_end - s.layer_start for s in a.stages)
     extra = a.num_microbatches * units * 150.0 * lo
     assert b.time.compute - a.time.compute == pytest.approx(extra, rel=1e-6)
     assert b.time.total - a.time.total == pytest.approx(extra, rel=1e-6)
     # per tensor: linear in the per-tensor cost
-    t1, t2 = (plan(with_runtime(base, {"fsdp_tensor": x}), zero=1, dp=2, tp=1, pp=1) for x in (10.0, 20.0))
+    t1, t2 = (plan(with_runtime(base, {"fsdp_unit": 0.0, "fsdp_tensor": x}), zero=1, dp=2, tp=1, pp=1)
+              for x in (10.0, 20.0))
     assert t2.time.compute - a.time.compute == pytest.approx(2 * (t1.time.compute - a.time.compute), rel=1e-6)
     assert t1.time.compute > a.time.compute
     # ZeRO-0 runs no FSDP2: unchanged to the bit
@@ -182,7 +187,8 @@ def test_profiler_measures_runtime_overheads() -> None:
     from autopar.profiles.profiler import measure_runtime_overheads
 
     got, sharded = measure_runtime_overheads(repeats=1)
-    assert set(got) == set(RUNTIME)
+    assert set(got) == {*RUNTIME, "redistribute"}
+    assert got["redistribute"] > 0  # DTensor's resharding, on a fake two-rank group (profiles.redistribute)
     assert all(v >= 0.0 for v in got.values())
     # DTensor's dispatch per op kind: measured for the kinds a transformer's tensor-parallel region runs
     assert {"matmul", "pointwise", "view", "norm"} <= set(sharded) <= set(OP_KINDS), sharded
@@ -236,3 +242,43 @@ def test_dtensor_dispatch_is_charged_per_pass_as_the_profiler_measures_it() -> N
     assert extra(linear, 2) == pytest.approx((10 * launch, 2 * 10 * launch))
     assert extra(add, 2) == pytest.approx((4 * launch, 4 * launch))
     assert extra(linear, 1) == (0.0, 0.0)
+
+
+def test_a_resharding_pays_dtensors_eager_work_as_compute() -> None:
+    """``runtime_overhead["redistribute"]``: every tensor-parallel conversion (collective or local slice) costs
+    DTensor's measured work per pass on top of its collective, as compute of the rank (the attribution counts the
+    Python of ``Redistribute`` as compute, its collective as communication); scaled by the fitted ``overhead`` and
+    ``dtensor`` factors like DTensor's per-op dispatch; 0 where not measured (GPU profiles)."""
+    from autopar.planner.intra_op.coster import _Coster
+    from autopar.planner.intra_op.solve import solve_group
+
+    base = cpu_like()
+    lo = base.device.launch_overhead_s
+    prof = with_runtime(base, {"redistribute": 5.0})
+    assert CostModel(base).redistribute_overhead() == 0.0
+    k = base.device.sharded_op_overhead
+    assert CostModel(prof).redistribute_overhead() == pytest.approx(5.0 * lo * k)
+    assert CostModel(apply_factors(prof, {"dtensor": 2.0, "overhead": 3.0})).redistribute_overhead() == \
+        pytest.approx(30.0 * lo * k)
+    graph = _graph("gpt-tiny")
+    cost = CostModel(prof)
+    co = _Coster(graph, cost, cost.span(2), 2, "float32", 8.0)
+    o = 5.0 * lo * k
+    assert co.convert("S(1)", "R", 1e6) == (pytest.approx(co.coll("all_gather", 1e6) + o), "all_gather")
+    assert co.convert("R", "S(1)", 1e6) == (pytest.approx(o), "")  # a local slice: DTensor's work alone
+    assert co.convert("S(1)", "S(1)", 1e6) == (0.0, "")
+    assert profile_from_dict(profile_to_dict(prof)).device.runtime_overhead == {"redistribute": 5.0}
+    # a Megatron-sharded block (gpt2-medium shapes on A100s): the same shardings and communication, and compute
+    # larger by whole conversions (two all-reduces each way at least)
+    gpu = load_builtin("dgx-a100-80gb")
+    big, block = _trace_gpt(1024, 16, 1024), None
+    block = big.blocks()[0]
+    a, b = (solve_group(big, block, tp=8, cost=CostModel(p), tp_span=CostModel(p).span(8))
+            for p in (gpu, with_runtime(gpu, {"redistribute": 5.0})))
+    o = 5.0 * gpu.device.launch_overhead_s * gpu.device.sharded_op_overhead
+    assert a.strategies == b.strategies
+    assert (b.fwd_comm_s, b.bwd_comm_s) == pytest.approx((a.fwd_comm_s, a.bwd_comm_s))
+    conversions = (b.fwd_compute_s + b.bwd_compute_s - a.fwd_compute_s - a.bwd_compute_s) / o
+    assert conversions == pytest.approx(round(conversions), abs=1e-6) and round(conversions) >= 4
+    assert sum(x.compute_s for x in b.op_shardings) - sum(x.compute_s for x in a.op_shardings) == \
+        pytest.approx(conversions * o)

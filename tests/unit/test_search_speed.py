@@ -130,7 +130,7 @@ def _screen_every_rank(c, table, cost, memo, capacity: float) -> tuple[float, fl
                                           reduce_bytes=4, reserve=reserve_for(cost)).total)
         comm = dp_time(cost, params=params, units=units, fwd_s=fwd, bwd_s=t - fwd, m=c.num_microbatches, dp=c.dp,
                        tp=c.tp, zero=c.zero, dtype="bfloat16", reduce_dtype="float32", overlap=True,
-                       recompute=c.recompute)
+                       recompute=c.recompute, param_tensors=_tensors)
         opt = params * ADAM_STEP_BYTES / (c.dp if c.zero >= 1 else 1) / cost.profile.device.memory_bandwidth
         worst = max(worst, comm.total_s + opt)
     busiest = max(r[0] for r in ranks)
