@@ -7,8 +7,9 @@ matmul-like part and the optimizer.  A straight line of "other" against the batc
 (the intercept) and its per-sample time (the slope); two models with different op counts then split the fixed time
 into a per-step part and a per-graph-op part (two equations, two unknowns: a rough split, printed as such).
 
-The cost model charges eager time per op only (``launch_overhead_s`` times the kind's ``op_overhead``, fitted by
-``autopar calibrate``'s ``overhead`` factor); it has no per-step term.  On this 2-core VM the calibrate runs put
+The cost model charges eager time per op (``launch_overhead_s`` times the kind's ``op_overhead``, fitted by
+``autopar calibrate``'s ``overhead`` factor) and, since this benchmark showed the need, the loop's fixed work per
+step (``runtime_overhead["step"]``, :mod:`autopar.profiles.loop`: ~170 us, measured with tiny linears).  On this 2-core VM the calibrate runs put
 gpt-tiny's fixed time outside the GEMMs near 2.4-3.1 ms and llama-tiny's near 4 ms, both flat from 2 to 8 samples
 per rank, while a fit predicted 0.34 and 0.74 ms: this benchmark measures those numbers without distributed work.
 

@@ -87,9 +87,13 @@ def measure_redistribute_overhead(*, threads: int = 1, repeats: int = 5) -> floa
 
 def measure_runtime_overheads(*, threads: int = 1, repeats: int = 5) -> tuple[dict[str, float], dict[str, float]]:
     """The ``runtime_overhead`` and ``dtensor_op_overhead`` tables of a CPU profile: the runtime's eager work in a
-    one-rank process group (:func:`autopar.profiles.eager.measure_one_rank_overheads`) and DTensor's resharding
-    (:func:`measure_redistribute_overhead`, ``redistribute``; left out where it cannot be measured)."""
+    one-rank process group (:func:`autopar.profiles.eager.measure_one_rank_overheads`), DTensor's resharding
+    (:func:`measure_redistribute_overhead`, ``redistribute``; left out where it cannot be measured) and the training
+    loop's fixed work per step (:func:`autopar.profiles.loop.measure_step_overhead`, ``step``)."""
+    from autopar.profiles.loop import measure_step_overhead
+
     runtime, sharded = measure_one_rank_overheads(threads=threads, repeats=repeats)
     if (redistribute := measure_redistribute_overhead(threads=threads, repeats=repeats)) is not None:
         runtime["redistribute"] = redistribute
+    runtime["step"] = measure_step_overhead(threads=threads, repeats=repeats)
     return runtime, sharded

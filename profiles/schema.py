@@ -90,7 +90,7 @@ def pipeline_key(schedule: str, microbatches: int) -> str:
 
 
 RUNTIME_KINDS: tuple[str, ...] = ("optimizer_tensor", "optimizer_dtensor", "fsdp_unit", "fsdp_tensor", "redistribute",
-                                  "pipeline_microbatch", "loss_sync", *(pipeline_key(*c) for c in PIPELINE_CASES))
+                                  "step", "pipeline_microbatch", "loss_sync", *map(pipeline_key, *zip(*PIPELINE_CASES)))
 """A device's ``runtime_overhead`` keys (see :class:`DeviceProfile`)."""
 DTYPES: tuple[str, ...] = ("float32", "tf32", "float16", "bfloat16")
 Level = Literal["intra_node", "inter_node"]
@@ -190,9 +190,9 @@ class DeviceProfile:
     parallelism, FSDP), where each op of the step pays DTensor's dispatch; ``fsdp_unit`` and ``fsdp_tensor``, FSDP2's
     per-micro-batch work per unit and per parameter tensor (pre/post forward and backward hooks, all-gather
     copy-in/out, reduce-scatter copy-in, DTensor wrapping; collectives excluded); ``redistribute``, DTensor's work
-    for one tensor-parallel resharding per pass (its collective excluded); ``pipeline_microbatch``, the pipeline
-    schedule's work per stage and micro-batch, ``pipeline_<schedule>_<m>`` the same per case of
-    :data:`PIPELINE_CASES`; ``loss_sync``, the loop's one-float all-reduce after compute (:mod:`.syncs`)."""
+    per tensor-parallel resharding and pass (collective excluded); ``step``, the loop's fixed work per step
+    (:mod:`.loop`); ``pipeline_microbatch``, the schedule's work per stage and micro-batch, ``pipeline_<s>_<m>`` per
+    case of :data:`PIPELINE_CASES`; ``loss_sync``, the loop's one-float all-reduce after compute (:mod:`.syncs`)."""
     sources: dict[str, str] = field(default_factory=dict)
     """Field name -> where its number comes from."""
 

@@ -107,11 +107,13 @@ def _rank_memory(table: LayerTable, chunks: Sequence[tuple[int, int]], rc: str, 
 def _step_syncs(comms: list[DpComm], tc: Sequence[tuple[LayerTable, CostModel]], c: Candidate) -> list[DpComm]:
     """``comms`` with the gradient all-reduce of parameters tied across the first and the last pipeline stage
     (embeddings; Megatron-LM's embedding group does the same), which the runtime runs after every backward pass
-    (``codegen.runtime.program._sync_grads``), added to those two ranks.
+    (``codegen.runtime.program._sync_grads``), added to those two ranks, and every rank's training-loop work per
+    step (the loss, autograd's start, the optimizer's and ``zero_grad``'s fixed paths: ``runtime_overhead["step"]``,
+    :mod:`autopar.profiles.loop`; 0 on GPU profiles), compute on its timeline.
 
     The step's loss all-reduce (one number over every rank, ``_reduce_loss``) is :func:`_loss_sync`."""
     pp = c.pp
-    out = list(comms)
+    out = [replace(x, eager_s=x.eager_s + tc[r][1].runtime_overhead("step")) for r, x in enumerate(comms)]
     (table, cost) = tc[0]
     if pp > 1 and table.shared_params > 0:  # float32 gradients of the tied parameters, two ranks a stage-span apart
         tie = cost.collective_time("all_reduce", table.shared_params * DTYPE_BYTES["float32"],

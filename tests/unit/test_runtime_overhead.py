@@ -187,8 +187,9 @@ def test_profiler_measures_runtime_overheads() -> None:
     from autopar.profiles.profiler import measure_runtime_overheads
 
     got, sharded = measure_runtime_overheads(repeats=1)
-    assert set(got) == {*RUNTIME, "redistribute"}
+    assert set(got) == {*RUNTIME, "redistribute", "step"}
     assert got["redistribute"] > 0  # DTensor's resharding, on a fake two-rank group (profiles.redistribute)
+    assert got["step"] >= 0  # the loop's fixed work per step (profiles.loop)
     assert all(v >= 0.0 for v in got.values())
     # DTensor's dispatch per op kind: measured for the kinds a transformer's tensor-parallel region runs
     assert {"matmul", "pointwise", "view", "norm"} <= set(sharded) <= set(OP_KINDS), sharded
@@ -282,3 +283,19 @@ def test_a_resharding_pays_dtensors_eager_work_as_compute() -> None:
     assert conversions == pytest.approx(round(conversions), abs=1e-6) and round(conversions) >= 4
     assert sum(x.compute_s for x in b.op_shardings) - sum(x.compute_s for x in a.op_shardings) == \
         pytest.approx(conversions * o)
+
+
+@pytest.mark.parametrize("pins", [{"pp": 1, "dp": 2, "tp": 1}, {"pp": 2, "dp": 1, "tp": 1}, {"pp": 1, "dp": 1, "tp": 2}])
+def test_the_loops_work_per_step_is_compute_once_per_step(pins: dict) -> None:
+    """``runtime_overhead["step"]`` (the loss, autograd's start, the optimizer's fixed path): once per step on every
+    rank, whatever the micro-batches, as compute; scaled by the fitted ``overhead`` factor."""
+    base = with_runtime(cpu_like(), {"fsdp_unit": 0.0})
+    lo = base.device.launch_overhead_s
+    looped = with_runtime(base, {"fsdp_unit": 0.0, "step": 40.0})
+    for mb in (4, 1):
+        a, b = (plan(p, zero=0, micro_batch=mb, **pins) for p in (base, looped))
+        assert b.time.compute - a.time.compute == pytest.approx(40.0 * lo, rel=1e-6)
+        assert b.time.total - a.time.total == pytest.approx(40.0 * lo, rel=1e-6)
+    c = plan(apply_factors(looped, {"overhead": 2.0}), zero=0, micro_batch=4, **pins)
+    d = plan(apply_factors(base, {"overhead": 2.0}), zero=0, micro_batch=4, **pins)
+    assert c.time.compute - d.time.compute == pytest.approx(80.0 * lo, rel=1e-6)
