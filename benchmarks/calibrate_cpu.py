@@ -14,7 +14,7 @@
    the 4-rank profile's.  Each profile carries each op kind's eager overhead (``op_overhead``), so that one fitted
    ``overhead`` factor carries from the fitted model to a model whose ops are of other kinds.
 2. Fit: the planner's pure-DP (``pp=1 dp=2 tp=1 zero=0``, global batch 4 and 16), ZeRO-1 DP (``zero=1``, FSDP2,
-   batch 8) and pure-TP (``tp=2``, batch 8, which replicates, and 64, which shards: :data:`FIT`) plans of
+   batch 8) and pure-TP (``tp=2``, batch 8, which replicates, and 64, which may shard: :data:`FIT`) plans of
    ``--fit-model`` on 2 ranks run under ``autopar calibrate``'s attribution
    (:func:`autopar.planner.calibrate.measure_plan`) and the factors are fitted to them
    (:func:`autopar.planner.calibrate.calibrate_loop`: a plan whose shardings the fit changes is re-planned, run and
@@ -74,9 +74,10 @@ FIT = {"dp=2 b4": (4, _DP2), "dp=2 b16": (16, _DP2), "dp=2 z1 b8": (8, {**_DP2, 
 batch) from the arithmetic (proportional to it); the ZeRO-1 dp=2 run (FSDP2) fits FSDP2's eager work (``fsdp``).
 Of the tp=2 plans, the planner replicates every op of gpt-tiny at batch 8 on this machine (tensor-parallel
 collectives cost more than the halved matmuls save), so that run holds DTensor's dispatch but no collective; at
-batch 64 it shards the blocks' linears Megatron-style, and the fit sees tensor-parallel collectives between ops
-(without it, a fit that priced them low made the 4-rank held-out dp=2 x tp=2 plans shard and run 2-3x slower than
-predicted).  The held-out plans run at ``--batch``."""
+batch 64 it shards the blocks' linears Megatron-style when the base profile prices DTensor's resharding low
+enough, and the fit sees tensor-parallel collectives between ops (without such a run, a fit that priced them low made
+the 4-rank held-out dp=2 x tp=2 plans shard and run 2-3x slower than predicted); with ~140 us per resharding it
+replicated them in two of five runs, as fast as sharded.  The held-out plans run at ``--batch``."""
 HELD_OUT = {"pp=2": (2, {"pp": 2, "dp": 1, "tp": 1}), "dp=2 x tp=2": (4, {"pp": 1, "dp": 2, "tp": 2}),
             "pp=2 x dp=2": (4, {"pp": 2, "dp": 2, "tp": 1})}
 
