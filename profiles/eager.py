@@ -224,13 +224,19 @@ def measure_one_rank_overheads(*, threads: int = 1, repeats: int = 5) -> tuple[d
     group), relative to the op cost per pass measured in that process (with DTensor's resharding cost,
     :func:`autopar.profiles.redistribute.measure_runtime_overheads`: the ``runtime_overhead`` and the
     ``dtensor_op_overhead`` of a CPU profile)."""
+    runtime, sharded = in_own_process(_runtime_worker, threads, repeats)
+    return dict(runtime), dict(sharded)
+
+
+def in_own_process(worker: Callable[..., None], *args: Any, timeout: float = 600.0) -> Any:
+    """What ``worker(queue, *args)`` puts on ``queue``, run in a process of its own (:func:`process_context`) with
+    this process's environment: a measurement that needs a fresh process group or torch state."""
     ctx = process_context()
     queue = ctx.Queue()
-    proc = ctx.Process(target=with_env, args=(dict(os.environ), _runtime_worker, queue, threads, repeats))
+    proc = ctx.Process(target=with_env, args=(dict(os.environ), worker, queue, *args))
     proc.start()
     try:
-        runtime, sharded = queue.get(timeout=600)
-        return dict(runtime), dict(sharded)
+        return queue.get(timeout=timeout)
     finally:
         proc.join()
 

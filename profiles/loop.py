@@ -15,12 +15,11 @@ of the same process's per-pass op cost.  Costed once per step on every rank
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
-from autopar.profiles.eager import _paired_extra, _time_calls, _training_op_overhead, process_context, with_env
+from autopar.profiles.eager import _paired_extra, _time_calls, _training_op_overhead, in_own_process
 
 __all__ = ["measure_step_overhead"]
 
@@ -54,11 +53,4 @@ def _loop_worker(queue: Any, threads: int, repeats: int) -> None:
 
 def measure_step_overhead(*, threads: int = 1, repeats: int = 5) -> float:
     """The training loop's fixed work per step in units of the per-pass op cost (see the module docstring)."""
-    ctx = process_context()
-    queue = ctx.Queue()
-    proc = ctx.Process(target=with_env, args=(dict(os.environ), _loop_worker, queue, threads, repeats))
-    proc.start()
-    try:
-        return float(queue.get(timeout=300))
-    finally:
-        proc.join()
+    return float(in_own_process(_loop_worker, threads, repeats, timeout=300.0))

@@ -17,7 +17,6 @@ conversions above, in units of the same process's per-pass op cost (``launch_ove
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 from typing import Any
 
@@ -26,9 +25,8 @@ import torch
 from autopar.profiles.eager import (
     _paired_extra,
     _training_op_overhead,
+    in_own_process,
     measure_one_rank_overheads,
-    process_context,
-    with_env,
 )
 
 __all__ = ["measure_redistribute_overhead", "measure_runtime_overheads"]
@@ -79,14 +77,7 @@ def _measure(repeats: int) -> float:
 def measure_redistribute_overhead(*, threads: int = 1, repeats: int = 5) -> float | None:
     """DTensor's eager work per resharding and pass, in units of the per-pass op cost (see the module docstring);
     None where torch has no fake process group to measure it on or DTensor cannot run the conversions there."""
-    ctx = process_context()
-    queue = ctx.Queue()
-    proc = ctx.Process(target=with_env, args=(dict(os.environ), _redistribute_worker, queue, threads, repeats))
-    proc.start()
-    try:
-        got = queue.get(timeout=300)
-    finally:
-        proc.join()
+    got = in_own_process(_redistribute_worker, threads, repeats, timeout=300.0)
     if got is None:
         log.warning("DTensor's resharding cost is not measured (no fake process group to time it on)")
     return got
