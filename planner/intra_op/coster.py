@@ -18,7 +18,7 @@ from autopar.ir.graph import DTYPE_BYTES, FLOAT_DTYPES, Graph, Node, SavedTensor
 from autopar.ir.placement import is_shard
 from autopar.planner.intra_op.cpsat import INF
 from autopar.planner.intra_op.strategy import Strategy
-from autopar.profiles.cost import CostModel, GroupSpan
+from autopar.profiles.cost import MATMUL_KINDS, CostModel, GroupSpan
 
 _KIND_MAP = {"loss": "other", "copy": "other", "gather": "other", "creation": "other", "unknown": "other"}
 
@@ -131,7 +131,7 @@ class _Coster:
                        for m in (self.graph.input_meta(node, i) for i in range(len(node.inputs))))
         if not has_grad or node.kind == "creation":
             return fwd, 0.0
-        if kind in ("matmul", "attention", "causal_attention", "conv"):
+        if kind in MATMUL_KINDS:
             # one kernel per gradient (input and weight), each the forward's size: the efficiency is that of a
             # forward-sized problem, not of one problem of the summed FLOPs
             bratio = self._gemm_passes(node)

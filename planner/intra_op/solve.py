@@ -31,15 +31,12 @@ from autopar.planner.intra_op.model import (
 )
 from autopar.planner.intra_op.rules import strategies_for
 from autopar.planner.intra_op.strategy import Strategy
-from autopar.profiles.cost import CostModel, GroupSpan
+from autopar.profiles.cost import MATMUL_KINDS, CostModel, GroupSpan
 
-__all__ = ["MATMUL_KINDS", "GroupSolution", "solve_group", "solve_graph", "strategy_costs"]
+__all__ = ["GroupSolution", "solve_group", "solve_graph", "strategy_costs"]
 
 log = logging.getLogger(__name__)
 _RECOMPUTE_KINDS = frozenset({"pointwise", "norm", "softmax"})
-MATMUL_KINDS = frozenset({"matmul", "attention", "conv"})
-"""The op kinds whose time a plan reports apart (``TimeBreakdown.matmul``): those of the profiler's matmul-like ops
-(``autopar.planner.run.attribution``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -77,8 +74,9 @@ class GroupSolution:
     collectives: tuple[tuple[str, str, str, float], ...] = ()
     """(node, "fwd"|"bwd", collective, seconds) for every tp collective, in node order."""
     matmul_fwd_s: float = 0.0
-    """The part of ``fwd_compute_s`` spent in matmul-like ops (:data:`MATMUL_KINDS`: GEMMs, attention,
-    convolutions), what ``autopar calibrate``'s attribution measures apart (``matmul``)."""
+    """The part of ``fwd_compute_s`` spent in matmul-like ops (``profiles.cost.MATMUL_KINDS``: GEMMs, attention,
+    convolutions, the kinds costed at the matmul rate), what ``autopar calibrate``'s attribution measures apart
+    (``matmul``)."""
     matmul_bwd_s: float = 0.0
     """The same part of ``bwd_compute_s``."""
 
