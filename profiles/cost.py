@@ -298,21 +298,23 @@ class CostModel:
         """Seconds of the pipeline schedule's work per chunk and micro-batch slot for ``schedule`` at
         ``microbatches``: the profile's measured cases of that schedule (``pipeline_<schedule>_<m>``, see
         :mod:`autopar.profiles.syncs`) interpolated linearly in ``log2(m)`` and clamped at the ends; a profile
-        without them: 1F1B's cases, else ``pipeline_microbatch`` (one case, 1F1B with 8 micro-batches)."""
+        without them: 1F1B's cases, else ``pipeline_microbatch`` (one case, 1F1B with 8 micro-batches).  Plus the
+        stage's compute resumed after its waits for the neighbour (``pipeline_resume``; 0 when not measured)."""
         table = self.profile.device.runtime_overhead
         pts: list[tuple[int, float]] = []
         for kind in (schedule, "1f1b"):
             pts = pts or sorted((m, table[pipeline_key(k, m)]) for k, m in PIPELINE_CASES
                                 if k == kind and pipeline_key(k, m) in table)
+        resume = self.runtime_overhead("pipeline_resume")
         if not pts:
-            return self.runtime_overhead("pipeline_microbatch")
+            return self.runtime_overhead("pipeline_microbatch") + resume
         x = math.log2(max(microbatches, 1))
         units = pts[0][1] if x <= math.log2(pts[0][0]) else pts[-1][1]
         for (m0, v0), (m1, v1) in zip(pts, pts[1:]):
             a, b = math.log2(m0), math.log2(m1)
             if a <= x <= b:
                 units = v0 + (v1 - v0) * (x - a) / (b - a)
-        return units * self.profile.device.launch_overhead_s
+        return units * self.profile.device.launch_overhead_s + resume
 
     def loss_sync(self, world: int, span: GroupSpan | None = None) -> float:
         """Seconds of the training loop's loss sync, an all-reduce of one float over ``world`` ranks after the

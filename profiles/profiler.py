@@ -442,8 +442,8 @@ def _measure(opts: ProfileOptions) -> tuple[ClusterProfile, dict[str, Any]]:
         dev["runtime_overhead"].update({k: v / dev["launch_overhead_s"] for k, v in syncs.items()})
         if pipeline_key(*REFERENCE_CASE) in syncs:  # the two-rank schedule (its sends too) replaces the one-rank one
             dev["runtime_overhead"]["pipeline_microbatch"] = dev["runtime_overhead"][pipeline_key(*REFERENCE_CASE)]
-            dev["sources"]["runtime_overhead"] += ("; pipeline_*: two-stage schedules with their sends on every rank "
-                                                   "pair at once; loss_sync: a one-float all-reduce after compute")
+            dev["sources"]["runtime_overhead"] += ("; pipeline_*: two-stage schedules, sends and handovers on every "
+                                                   "rank pair at once; loss_sync: one-float all-reduce after compute")
         dev["overlap_slowdown"], dev["sources"]["overlap_slowdown"] = 1.0, "gloo: collectives share the ranks' cores"
     links: dict[str, Any] = {}
     if data["links"] is not None:

@@ -74,10 +74,8 @@ __all__ = [
 SCHEMA_VERSION = 1
 COLLECTIVES: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 LEVELS: tuple[str, ...] = ("intra_node", "inter_node")
-OP_KINDS: tuple[str, ...] = (
-    "matmul", "attention", "causal_attention", "pointwise", "reduction", "norm", "softmax", "embedding", "conv",
-    "view", "other",
-)
+OP_KINDS: tuple[str, ...] = ("matmul", "attention", "causal_attention", "pointwise", "reduction", "norm", "softmax",
+                             "embedding", "conv", "view", "other")
 """The IR op kinds the cost model costs (``profiles.cost``), and a device's ``op_overhead`` keys."""
 PIPELINE_CASES: tuple[tuple[str, int], ...] = (("gpipe", 1), ("gpipe", 2), ("gpipe", 8), ("1f1b", 2), ("1f1b", 8),
                                                ("interleaved_1f1b", 2), ("interleaved_1f1b", 8))
@@ -90,7 +88,8 @@ def pipeline_key(schedule: str, microbatches: int) -> str:
 
 
 RUNTIME_KINDS: tuple[str, ...] = ("optimizer_tensor", "optimizer_dtensor", "fsdp_unit", "fsdp_tensor", "redistribute",
-                                  "step", "pipeline_microbatch", "loss_sync", *map(pipeline_key, *zip(*PIPELINE_CASES)))
+                                  "step", "pipeline_microbatch", "pipeline_resume", "loss_sync",
+                                  *map(pipeline_key, *zip(*PIPELINE_CASES)))
 """A device's ``runtime_overhead`` keys (see :class:`DeviceProfile`)."""
 DTYPES: tuple[str, ...] = ("float32", "tf32", "float16", "bfloat16")
 Level = Literal["intra_node", "inter_node"]
@@ -192,7 +191,8 @@ class DeviceProfile:
     copy-in/out, reduce-scatter copy-in, DTensor wrapping; collectives excluded); ``redistribute``, DTensor's work
     per tensor-parallel resharding and pass (collective excluded); ``step``, the loop's fixed work per step
     (:mod:`.loop`); ``pipeline_microbatch``, the schedule's work per stage and micro-batch, ``pipeline_<s>_<m>`` per
-    case of :data:`PIPELINE_CASES`; ``loss_sync``, the loop's one-float all-reduce after compute (:mod:`.syncs`)."""
+    case of :data:`PIPELINE_CASES`, ``pipeline_resume`` a stage's compute resumed after each wait for its neighbour
+    (per chunk slot); ``loss_sync``, the loop's one-float all-reduce after compute (:mod:`.syncs`)."""
     sources: dict[str, str] = field(default_factory=dict)
     """Field name -> where its number comes from."""
 

@@ -15,12 +15,16 @@ isolated collective describes on ranks that share cores:
   points, and ranks that arrive from compute wait for each other to be scheduled.  Here: 0.4-0.7 ms on 2 ranks and
   1.3-2.6 ms on 4, where the all-reduce table's latency, fitted over 1 KiB..16 MiB, says 0.4-0.6 and 5-5.5 ms.
 
+With the schedules, :func:`resume_penalty` times what a stage's compute loses when it resumes after each wait for
+its neighbour (``pipeline_resume``, per chunk slot), which the schedules' tiny probe cannot show.
+
 Both are stored in ``DeviceProfile.runtime_overhead`` (``pipeline_<schedule>_<m>``, ``loss_sync``) and costed by
 :meth:`autopar.profiles.cost.CostModel.pipeline_overhead` and :meth:`~autopar.profiles.cost.CostModel.loss_sync`.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from typing import Any
@@ -30,7 +34,7 @@ import torch
 from autopar.profiles.eager import pipeline_overhead_two_ranks
 from autopar.profiles.schema import PIPELINE_CASES, pipeline_key
 
-__all__ = ["REFERENCE_CASE", "loss_sync_under_load", "per_call_s", "pipeline_overheads", "slowest"]
+__all__ = ["REFERENCE_CASE", "loss_sync_under_load", "per_call_s", "pipeline_overheads", "resume_penalty", "slowest"]
 
 REFERENCE_CASE = ("1f1b", 8)
 """The case ``runtime_overhead["pipeline_microbatch"]`` holds (the one case profiles measured before the table)."""
@@ -41,9 +45,79 @@ def pipeline_overheads(device: torch.device, rank: int, repeats: int, group: Any
     """Seconds per micro-batch slot of each two-stage schedule of :data:`PIPELINE_CASES` on the pair of ranks
     ``group`` (``rank`` 0 or 1 within it; every pair of the world runs at once), keyed by :func:`pipeline_key`
     (:func:`autopar.profiles.eager.pipeline_overhead_two_ranks`, less the sends the simulator charges at
-    ``p2p_s`` each).  Both ranks of every pair call it; rank 0's numbers are the pair's."""
-    return {pipeline_key(kind, m): pipeline_overhead_two_ranks(device, rank, repeats, group, m, p2p_s, kind)
-            for kind, m in PIPELINE_CASES}
+    ``p2p_s`` each), and ``pipeline_resume`` (:func:`resume_penalty`).  Both ranks of every pair call it; rank 0's
+    numbers are the pair's."""
+    out = {pipeline_key(kind, m): pipeline_overhead_two_ranks(device, rank, repeats, group, m, p2p_s, kind)
+           for kind, m in PIPELINE_CASES}
+    return {**out, "pipeline_resume": resume_penalty(device, rank, min(repeats, 15), group)}
+
+
+def resume_penalty(device: torch.device, rank: int, repeats: int, group: Any = None, iters: int = 12) -> float:
+    """Seconds a pipeline stage's compute takes beyond its time run back to back, per chunk slot (a forward and a
+    backward), when each pass resumes after waiting for the neighbour, as on gloo every stage waits for each
+    activation and gradient.  On a 2-core VM a stage resumed after such a wait ran 25-35% slower than back to back
+    (gpt-tiny and llama-tiny halves, ~2-2.6 ms each: +0.55-0.75 ms), and a model's step after sleeping 3 ms lost
+    0.2-0.8 ms at any batch: a cost per resumption, not per op or per byte, which the pipeline schedules' tiny probe
+    (:func:`autopar.profiles.eager.pipeline_overhead_two_ranks`) has too little compute to show.
+
+    The probe: two small transformer layers (d=64, seq 32, batch 4, ~2.5 ms forward + backward here), long enough that
+    the loss per resumption no longer grows with it.  Rank 0 runs the forward, hands over to rank 1 (forward and
+    backward), then runs the backward (the two-stage order of one micro-batch), against the same passes back to back
+    on both ranks at once: the median over ``repeats`` adjacent pairs of ``iters`` slots each, both ranks' mean.
+    Every pair of the world runs it at once; where the ranks outnumber the cores, the back-to-back passes (all ranks
+    computing) run slower than in the handover (half of them computing) by what the schedule simulator's processor
+    sharing already gives (:class:`autopar.planner.inter_op.schedule.SharedCores`), so that ratio is taken out first."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[torch.nn.TransformerEncoderLayer(64, 4, 256, dropout=0.0, batch_first=True)
+                                for _ in range(2)]).to(device)
+    x = torch.randn(4, 32, 64, device=device)
+    peer = 1 - rank if group is None else dist.get_global_rank(group, 1 - rank)
+    token = torch.zeros(1, device=device)
+    world = dist.get_world_size()
+    cores = len(os.sched_getaffinity(0)) / max(torch.get_num_threads(), 1) if hasattr(os, "sched_getaffinity") else 0
+    sharing = max(1.0, world / cores) / max(1.0, world / 2 / cores) if cores else 1.0
+
+    def back_to_back() -> float:
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            net(x).sum().backward()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    def handed_over() -> float:
+        busy = 0.0
+        for _ in range(iters):
+            if rank == 0:
+                t0 = time.perf_counter()
+                y = net(x).sum()
+                busy += time.perf_counter() - t0
+                dist.send(token, peer, group=group)
+                dist.recv(token, peer, group=group)
+                t0 = time.perf_counter()
+                y.backward()
+            else:
+                dist.recv(token, peer, group=group)
+                t0 = time.perf_counter()
+                net(x).sum().backward()
+            busy += time.perf_counter() - t0
+            if rank == 1:
+                dist.send(token, peer, group=group)
+        return busy / iters
+
+    back_to_back()
+    handed_over()
+    pairs = []
+    for _ in range(max(repeats, 1)):
+        dist.barrier(group=group)
+        warm = back_to_back()
+        dist.barrier(group=group)
+        pairs.append(handed_over() - warm / sharing)
+    mean = torch.tensor([statistics.median(pairs)], dtype=torch.float64)
+    dist.all_reduce(mean, group=group)
+    return max(mean.item() / 2, 0.0)
 
 
 def slowest(seconds: float, group: Any = None) -> float:

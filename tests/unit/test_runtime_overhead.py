@@ -123,6 +123,33 @@ def test_pipeline_work_per_schedule_and_microbatch_count() -> None:
     assert c.time.total - a.time.total == pytest.approx(2 * 80.0 * lo, rel=1e-6)
 
 
+def test_pipeline_resume_adds_to_every_chunk_slot_of_pipelines_only() -> None:
+    """``pipeline_resume`` (a stage's compute resumed after each wait for its neighbour) is charged per chunk and
+    micro-batch on top of the schedule's measured case, or of ``pipeline_microbatch`` without cases; plans without
+    pipeline stages do not pay it."""
+    base = cpu_like()
+    lo = base.device.launch_overhead_s
+    table = {"pipeline_microbatch": 80.0, "pipeline_gpipe_1": 20.0, "pipeline_1f1b_8": 60.0}
+    plain, resumed = CostModel(with_runtime(base, table)), CostModel(with_runtime(base, {**table,
+                                                                                         "pipeline_resume": 50.0}))
+    for kind, m in (("gpipe", 1), ("1f1b", 8), ("1f1b", 2), ("interleaved_1f1b", 4)):
+        assert resumed.pipeline_overhead(kind, m) - plain.pipeline_overhead(kind, m) == pytest.approx(50.0 * lo)
+    legacy = CostModel(with_runtime(base, {"pipeline_microbatch": 80.0, "pipeline_resume": 50.0}))
+    assert legacy.pipeline_overhead("gpipe", 1) == pytest.approx(130.0 * lo)
+    assert CostModel(with_runtime(base, {"pipeline_resume": 50.0})).pipeline_overhead("gpipe", 1) == \
+        pytest.approx(50.0 * lo)
+    pins = {"pp": 2, "dp": 1, "tp": 1, "schedule": "gpipe", "micro_batch": 8}  # one micro-batch: 2 chunk slots
+    a = plan(with_runtime(base, table), **pins)  # type: ignore[arg-type]
+    b = plan(with_runtime(base, {**table, "pipeline_resume": 50.0}), **pins)  # type: ignore[arg-type]
+    assert a.num_microbatches == b.num_microbatches == 1
+    assert b.time.total - a.time.total == pytest.approx(2 * 50.0 * lo, rel=1e-6)
+    one = {"pp": 1, "dp": 2, "tp": 1, "zero": 0}
+    assert plan(with_runtime(base, {**table, "pipeline_resume": 50.0}), **one).time.total == \
+        plan(with_runtime(base, table), **one).time.total  # type: ignore[arg-type]
+    d = profile_to_dict(with_runtime(base, {"pipeline_resume": 50.0}))
+    assert profile_from_dict(d).device.runtime_overhead == {"pipeline_resume": 50.0}
+
+
 def test_loss_sync_is_the_measured_one_when_it_spans_the_profile() -> None:
     base = cpu_like(4)
     lo = base.device.launch_overhead_s
@@ -139,7 +166,7 @@ def test_fitted_overhead_leaves_the_measured_synchronizations_in_seconds() -> No
     """The ``overhead`` factor rescales per-op eager costs measured by micro-benchmarks; the loss sync and the
     pipeline schedules are timed as a step meets them (like a pipeline's p2p) and keep their seconds."""
     base = with_runtime(cpu_like(2), {**RUNTIME, "loss_sync": 100.0, "pipeline_gpipe_1": 40.0,
-                                      "pipeline_1f1b_8": 90.0})
+                                      "pipeline_1f1b_8": 90.0, "pipeline_resume": 30.0})
     a = CostModel(base)
     for factors in ({"overhead": 2.5}, {"overhead": 2.5, "fsdp": 3.0}):
         b = CostModel(apply_factors(base, factors))
@@ -285,7 +312,8 @@ def test_a_resharding_pays_dtensors_eager_work_as_compute() -> None:
         pytest.approx(conversions * o)
 
 
-@pytest.mark.parametrize("pins", [{"pp": 1, "dp": 2, "tp": 1}, {"pp": 2, "dp": 1, "tp": 1}, {"pp": 1, "dp": 1, "tp": 2}])
+@pytest.mark.parametrize("pins", [{"pp": 1, "dp": 2, "tp": 1}, {"pp": 2, "dp": 1, "tp": 1},
+                                  {"pp": 1, "dp": 1, "tp": 2}])
 def test_the_loops_work_per_step_is_compute_once_per_step(pins: dict) -> None:
     """``runtime_overhead["step"]`` (the loss, autograd's start, the optimizer's fixed path): once per step on every
     rank, whatever the micro-batches, as compute; scaled by the fitted ``overhead`` factor."""
