@@ -55,15 +55,17 @@ def pipeline_overheads(device: torch.device, rank: int, repeats: int, group: Any
 def resume_penalty(device: torch.device, rank: int, repeats: int, group: Any = None, iters: int = 12) -> float:
     """Seconds a pipeline stage's compute takes beyond its time run back to back, per chunk slot (a forward and a
     backward), when each pass resumes after waiting for the neighbour, as on gloo every stage waits for each
-    activation and gradient.  On a 2-core VM a stage resumed after such a wait ran 25-35% slower than back to back
-    (gpt-tiny and llama-tiny halves, ~2-2.6 ms each: +0.55-0.75 ms), and a model's step after sleeping 3 ms lost
-    0.2-0.8 ms at any batch: a cost per resumption, not per op or per byte, which the pipeline schedules' tiny probe
-    (:func:`autopar.profiles.eager.pipeline_overhead_two_ranks`) has too little compute to show.
+    activation and gradient.  On a 2-core VM gpt-tiny's and llama-tiny's halves, handed over between two ranks, lost
+    0.13 ms per slot at batch 2 (~1 ms of compute, +13%), 0.55-0.75 ms at batch 8 (~2-2.6 ms, +25-35%) and 0.2-0.8
+    ms at batch 32 (~7 ms): it grows with the stage's working set and then levels off, and a slot costs it whatever
+    its op count, which the pipeline schedules' tiny probe (:func:`autopar.profiles.eager.pipeline_overhead_two_ranks`)
+    has too little compute to show.
 
-    The probe: two small transformer layers (d=64, seq 32, batch 4, ~2.5 ms forward + backward here), long enough that
-    the loss per resumption no longer grows with it.  Rank 0 runs the forward, hands over to rank 1 (forward and
-    backward), then runs the backward (the two-stage order of one micro-batch), against the same passes back to back
-    on both ranks at once: the median over ``repeats`` adjacent pairs of ``iters`` slots each, both ranks' mean.
+    The probe: two small transformer layers (d=64, seq 32, batch 4, ~2.5 ms forward + backward here; 0.13-0.34 ms
+    per slot in five profiles, so stages with more activations than it are under-charged).  Rank 0 runs the
+    forward, hands over to rank 1 (forward and backward), then runs the backward (the two-stage order of one
+    micro-batch), against the same passes back to back on both ranks at once: the median over ``repeats`` adjacent
+    pairs of ``iters`` slots each, both ranks' mean.
     Every pair of the world runs it at once; where the ranks outnumber the cores, the back-to-back passes (all ranks
     computing) run slower than in the handover (half of them computing) by what the schedule simulator's processor
     sharing already gives (:class:`autopar.planner.inter_op.schedule.SharedCores`), so that ratio is taken out first."""
