@@ -34,7 +34,8 @@ import torch
 from autopar.profiles.eager import pipeline_overhead_two_ranks
 from autopar.profiles.schema import PIPELINE_CASES, pipeline_key
 
-__all__ = ["REFERENCE_CASE", "loss_sync_under_load", "per_call_s", "pipeline_overheads", "resume_penalty", "slowest"]
+__all__ = ["REFERENCE_CASE", "handover_speedup", "loss_sync_under_load", "per_call_s", "pipeline_overheads",
+           "resume_penalty", "slowest"]
 
 REFERENCE_CASE = ("1f1b", 8)
 """The case ``runtime_overhead["pipeline_microbatch"]`` holds (the one case profiles measured before the table)."""
@@ -77,9 +78,8 @@ def resume_penalty(device: torch.device, rank: int, repeats: int, group: Any = N
     x = torch.randn(4, 32, 64, device=device)
     peer = 1 - rank if group is None else dist.get_global_rank(group, 1 - rank)
     token = torch.zeros(1, device=device)
-    world = dist.get_world_size()
-    cores = len(os.sched_getaffinity(0)) / max(torch.get_num_threads(), 1) if hasattr(os, "sched_getaffinity") else 0
-    sharing = max(1.0, world / cores) / max(1.0, world / 2 / cores) if cores else 1.0
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
+    sharing = handover_speedup(dist.get_world_size(), cpus / max(torch.get_num_threads(), 1))
 
     def back_to_back() -> float:
         times = []
@@ -120,6 +120,15 @@ def resume_penalty(device: torch.device, rank: int, repeats: int, group: Any = N
     mean = torch.tensor([statistics.median(pairs)], dtype=torch.float64)
     dist.all_reduce(mean, group=group)
     return max(mean.item() / 2, 0.0)
+
+
+def handover_speedup(ranks: float, cores: float) -> float:
+    """How many times faster a rank computes while half of the node's ``ranks`` do (a two-stage pipeline's
+    handover) than while all of them do, on ``cores`` cores' worth of compute (processor sharing, as
+    :class:`autopar.planner.inter_op.schedule.SharedCores` has it): 1 when the ranks have a core each."""
+    if cores <= 0:
+        return 1.0
+    return max(1.0, ranks / cores) / max(1.0, ranks / 2 / cores)
 
 
 def slowest(seconds: float, group: Any = None) -> float:

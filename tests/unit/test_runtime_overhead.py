@@ -150,6 +150,20 @@ def test_pipeline_resume_adds_to_every_chunk_slot_of_pipelines_only() -> None:
     assert profile_from_dict(d).device.runtime_overhead == {"pipeline_resume": 50.0}
 
 
+@pytest.mark.parametrize(("ranks", "cores", "speedup"), [(2, 2, 1.0), (2, 8, 1.0), (4, 4, 1.0), (4, 2, 2.0),
+                                                        (8, 2, 2.0), (3, 2, 1.5), (2, 1, 2.0), (4, 0, 1.0)])
+def test_handover_speedup_is_the_simulators_processor_sharing(ranks: int, cores: float, speedup: float) -> None:
+    """What ``resume_penalty`` takes out of its back-to-back baseline where ranks outnumber cores: half the ranks
+    computing (a handover) against all of them, as ``SharedCores.speeds`` shares the cores."""
+    from autopar.planner.inter_op.schedule import SharedCores
+    from autopar.profiles.syncs import handover_speedup
+
+    assert handover_speedup(ranks, cores) == pytest.approx(speedup)
+    if cores and ranks % 2 == 0:  # the simulator's own speed-up for a node whose half waits
+        shared = SharedCores(cores=cores, ranks_per_node=ranks, stage_ranks=(((0, ranks // 2),), ((0, ranks // 2),)))
+        assert shared.speeds([True, False])[0] == pytest.approx(speedup)
+
+
 def test_loss_sync_is_the_measured_one_when_it_spans_the_profile() -> None:
     base = cpu_like(4)
     lo = base.device.launch_overhead_s
