@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from autopar.profiles.eager import pipeline_overhead_two_ranks
+from autopar.profiles.eager import _time_calls, pipeline_overhead_two_ranks
 from autopar.profiles.schema import PIPELINE_CASES, pipeline_key
 
 __all__ = ["REFERENCE_CASE", "handover_speedup", "loss_sync_under_load", "per_call_s", "pipeline_overheads",
@@ -81,13 +81,11 @@ def resume_penalty(device: torch.device, rank: int, repeats: int, group: Any = N
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
     sharing = handover_speedup(dist.get_world_size(), cpus / max(torch.get_num_threads(), 1))
 
-    def back_to_back() -> float:
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            net(x).sum().backward()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+    def chunk() -> None:
+        net(x).sum().backward()
+
+    def back_to_back() -> float:  # the median of ``iters`` single passes
+        return _time_calls(chunk, lambda: None, iters, 1, warmup=0)
 
     def handed_over() -> float:
         busy = 0.0
@@ -103,7 +101,7 @@ def resume_penalty(device: torch.device, rank: int, repeats: int, group: Any = N
             else:
                 dist.recv(token, peer, group=group)
                 t0 = time.perf_counter()
-                net(x).sum().backward()
+                chunk()
             busy += time.perf_counter() - t0
             if rank == 1:
                 dist.send(token, peer, group=group)
