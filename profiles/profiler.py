@@ -77,8 +77,16 @@ from autopar.profiles.redistribute import measure_runtime_overheads  # noqa: F40
 from autopar.profiles.schema import SCHEMA_VERSION, ClusterProfile, pipeline_key, profile_from_dict, save_profile
 from autopar.profiles.syncs import REFERENCE_CASE, loss_sync_under_load, pipeline_overheads
 
-__all__ = ["ProfileOptions", "default_message_sizes", "free_port", "measure_profile", "run_profile_command",
-           "time_collective", "time_matmul", "main"]
+__all__ = [
+    "ProfileOptions",
+    "default_message_sizes",
+    "free_port",
+    "measure_profile",
+    "run_profile_command",
+    "time_collective",
+    "time_matmul",
+    "main",
+]
 
 log = logging.getLogger(__name__)
 KIB = 1024
@@ -150,14 +158,12 @@ def exit_without_finalization(code: int = 0) -> NoReturn:
 
 
 def time_collective(
-    kind: str, nbytes: int, group: Any, group_size: int, device: torch.device, repeats: int, warmup: int,
-    start: Any = "group",
+    kind: str, nbytes: int, group: Any, group_size: int, device: torch.device, repeats: int, warmup: int
 ) -> float:
     """Median over repeats of the slowest rank's time for one collective of ``nbytes`` (schema size convention).
 
     Must be called by every rank of ``group``; p2p (``kind='p2p'``) by both ranks of pairs 2i, 2i+1 of the world.
-    ``start``: the group whose barrier starts each sample (default ``group``'s own; disjoint groups measured at once
-    share one)."""
+    """
     sync = _sync_fn(device)
     g = group_size
     numel = max(g, (nbytes // 4) // g * g)
@@ -191,7 +197,7 @@ def time_collective(
     samples = []
     for _ in range(repeats):
         if kind != "p2p":
-            dist.barrier(group=group if start == "group" else start)
+            dist.barrier(group=group)
         t0 = time.perf_counter()
         fn()
         sync()
@@ -324,13 +330,9 @@ def _measure_links(opts: ProfileOptions, device: torch.device, rank: int, prog: 
     for g in _group_sizes(opts.ranks):
         # every disjoint block of g ranks measures at once, as a training step's groups communicate at once (the
         # dp groups of a tp x dp mesh; on CPU ranks sharing cores, each block's collectives also wait for the cores
-        # the others hold); each sample starts at a barrier of all blocks (with a block's own, on 4 CPU ranks sharing
-        # 2 cores the pairs ran out of step: an all-reduce of 64 KiB-1 MiB took 0.4-0.9 ms, 2.2-4.9 started at once).
-        # Ranks past the last whole block sit it out
+        # the others hold); ranks past the last whole block sit it out
         blocks = opts.ranks // g
         groups = [dist.new_group(list(range(b * g, (b + 1) * g))) for b in range(blocks)] if g < opts.ranks else [None]
-        whole = blocks * g
-        everyone = "group" if blocks < 2 else None if whole == opts.ranks else dist.new_group(list(range(whole)))
         measures = rank // g < blocks
         group = groups[rank // g] if measures else None
         for kind in _COLL:
@@ -338,7 +340,7 @@ def _measure_links(opts: ProfileOptions, device: torch.device, rank: int, prog: 
             for s in sizes:
                 if measures:
                     r = reps if s <= 4 * KIB * KIB else max(3, reps // 2)
-                    t = time_collective(kind, s, group, g, device, r, opts.warmup, start=everyone)
+                    t = time_collective(kind, s, group, g, device, r, opts.warmup)
                     if rank < g:
                         ts.append(t)
                 _step(prog, f"{kind} g={g} {s // KIB} KiB")

@@ -336,32 +336,3 @@ def test_exit_without_finalization_flushes_and_keeps_the_exit_code() -> None:
     assert r.returncode == 3
     assert r.stdout == "step 0 saved\n"
     assert r.stderr == "err"
-
-
-@pytest.mark.parametrize("ranks, starts", [(4, {2: "world", 4: "group"}), (3, {2: "group", 3: "group"}),
-                                           (5, {2: "sub", 4: "group", 5: "group"})])
-def test_link_blocks_start_each_sample_together(fake_world, monkeypatch: pytest.MonkeyPatch, ranks: int,
-                                                starts: dict[int, str]) -> None:
-    """Disjoint blocks of a group size measure at once: each sample starts at one barrier of every rank in a whole
-    block (the world, or the ranks before the left-over ones); a size with one block uses the group's own."""
-    import torch
-    import torch.distributed as dist
-
-    from autopar.profiles import profiler
-
-    fake_world(ranks)
-    seen: dict[int, set[str]] = {}
-
-    def record(kind, nbytes, group, group_size, device, repeats, warmup, start="group"):  # noqa: ANN001, ANN202
-        if kind == "p2p":  # ping-pong pairs, no barrier
-            return 1e-4
-        tag = "group" if start == "group" else "world" if start is None else "sub"
-        if tag == "sub":
-            assert dist.get_process_group_ranks(start) == list(range(ranks // group_size * group_size))
-        seen.setdefault(group_size, set()).add(tag)
-        return 1e-4 + nbytes / 1e9
-
-    monkeypatch.setattr(profiler, "time_collective", record)
-    opts = profiler.ProfileOptions(ranks=ranks, quick=True, message_sizes=(1024, 65536), progress=False)
-    profiler._measure_links(opts, torch.device("cpu"), 0, None)
-    assert seen == {g: {tag} for g, tag in starts.items()}
