@@ -50,7 +50,7 @@ spans nodes: that would make multi-node plans look far too cheap).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Final
 
 from autopar.profiles.schema import (
@@ -73,6 +73,7 @@ __all__ = [
     "GroupSpan",
     "group_span",
     "collective_factor",
+    "in_step",
     "interp_alpha_beta",
     "interp_efficiency",
     "interp_seq_efficiency",
@@ -100,10 +101,13 @@ class GroupSpan:
     """Group members in each node (d >= 1)."""
     nodes: int
     """Nodes the group spans (m >= 1)."""
+    groups: int = 1
+    """Disjoint groups of this shape on a node running the collective at once (the dp groups of a stage's tp
+    ranks): the intra-node tables' points measured with groups in step (``AlphaBeta.groups``) apply."""
 
     def __post_init__(self) -> None:
-        if self.devices_per_node < 1 or self.nodes < 1:
-            raise ValueError(f"GroupSpan needs devices_per_node >= 1 and nodes >= 1, got {self}")
+        if self.devices_per_node < 1 or self.nodes < 1 or self.groups < 1:
+            raise ValueError(f"GroupSpan needs devices_per_node, nodes and groups >= 1, got {self}")
 
     @property
     def size(self) -> int:
@@ -141,8 +145,24 @@ def collective_factor(kind: str, group_size: int) -> float:
     return (2.0 if kind == "all_reduce" else 1.0) * (g - 1) / g
 
 
-def interp_alpha_beta(points: tuple[AlphaBeta, ...], group_size: int) -> tuple[float, float]:
-    """(alpha_s, busbw) at ``group_size`` from a table sorted by group size (see module docstring)."""
+def in_step(points: tuple[AlphaBeta, ...], groups: int) -> tuple[AlphaBeta, ...]:
+    """A table's ``groups: 1`` points, each moved toward its group size's point measured with the most groups in
+    step, linearly in the number of groups up to ``groups`` (no such point: as measured alone)."""
+    alone = tuple(p for p in points if p.groups == 1)
+    if groups <= 1 or len(alone) == len(points):
+        return alone
+    out = []
+    for p in alone:
+        q = max((q for q in points if q.group_size == p.group_size), key=lambda q: q.groups)
+        w = (min(groups, q.groups) - 1) / (q.groups - 1) if q.groups > 1 else 0.0
+        out.append(replace(p, alpha_s=p.alpha_s + w * (q.alpha_s - p.alpha_s), busbw=p.busbw + w * (q.busbw - p.busbw)))
+    return tuple(out)
+
+
+def interp_alpha_beta(points: tuple[AlphaBeta, ...], group_size: int, groups: int = 1) -> tuple[float, float]:
+    """(alpha_s, busbw) at ``group_size`` from a table sorted by group size (see module docstring), with ``groups``
+    disjoint groups in step (:func:`in_step`)."""
+    points = in_step(points, groups)
     if not points:
         raise ValueError("empty alpha-beta table")
     g = group_size
@@ -361,9 +381,12 @@ class CostModel:
 
     # ---- communication -------------------------------------------------------------------------------------
 
-    def span(self, group_size: int, stride: int = 1) -> GroupSpan:
-        """:func:`group_span` with this profile's devices per node."""
-        return group_span(group_size, stride, self.profile.devices_per_node)
+    def span(self, group_size: int, stride: int = 1, stage: int | None = None) -> GroupSpan:
+        """:func:`group_span` with this profile's devices per node; with ``stage`` (the ranks of the pipeline stage
+        whose groups of this shape run the collective at once, laid out contiguously), as many ``groups`` as fit a
+        node's share of it."""
+        span, dpn = group_span(group_size, stride, self.profile.devices_per_node), self.profile.devices_per_node
+        return span if not stage else replace(span, groups=max(1, min(dpn, stage) // span.devices_per_node))
 
     def _level(self, level: str) -> LinkProfile:
         link = self.profile.links.get(level)
@@ -406,7 +429,7 @@ class CostModel:
             )
         alpha, bws = 0.0, []
         if d > 1:
-            a, bw = interp_alpha_beta(self._level("intra_node").table(kind), d)
+            a, bw = interp_alpha_beta(self._level("intra_node").table(kind), d, span.groups)
             alpha += a
             bws.append(bw)
         if m > 1:

@@ -23,7 +23,7 @@ concurrently (so shared memory bandwidth and cores are contended as in a real ru
   group, relative to its own op cost per pass; with two ranks or more, two-stage GPipe and 1F1B schedules at several
   micro-batch counts with their sends on every rank pair at once, and the loss sync after compute (:mod:`.syncs`));
 - collectives over message sizes (1 KiB .. 64 MiB by powers of 4; ``quick``: 1 KiB .. 16 MiB) on groups of
-  2, 4, .. ``ranks`` ranks (every disjoint group of a size at once, as a step's dp or tp groups run):
+  2, 4, .. ``ranks`` ranks (one group alone, and every disjoint group of a size in step where there are several):
   ``all_reduce``, ``all_gather_single`` / ``reduce_scatter_single`` (the ``*_into_tensor`` / ``*_tensor`` forms on
   older torch) and ``all_to_all_single`` (all natively supported by gloo in torch >= 2.x, so nothing is emulated),
   and p2p as ping-pong ``send``/``recv`` (one-way time = round trip / 2) between ranks 0 and 1, 2 and 3, .. at once,
@@ -77,16 +77,8 @@ from autopar.profiles.redistribute import measure_runtime_overheads  # noqa: F40
 from autopar.profiles.schema import SCHEMA_VERSION, ClusterProfile, pipeline_key, profile_from_dict, save_profile
 from autopar.profiles.syncs import REFERENCE_CASE, loss_sync_under_load, pipeline_overheads
 
-__all__ = [
-    "ProfileOptions",
-    "default_message_sizes",
-    "free_port",
-    "measure_profile",
-    "run_profile_command",
-    "time_collective",
-    "time_matmul",
-    "main",
-]
+__all__ = ["ProfileOptions", "default_message_sizes", "free_port", "measure_profile", "run_profile_command",
+           "time_collective", "time_matmul", "main"]
 
 log = logging.getLogger(__name__)
 KIB = 1024
@@ -158,11 +150,13 @@ def exit_without_finalization(code: int = 0) -> NoReturn:
 
 
 def time_collective(
-    kind: str, nbytes: int, group: Any, group_size: int, device: torch.device, repeats: int, warmup: int
+    kind: str, nbytes: int, group: Any, group_size: int, device: torch.device, repeats: int, warmup: int,
+    start: Any = "group",
 ) -> float:
     """Median over repeats of the slowest rank's time for one collective of ``nbytes`` (schema size convention).
 
     Must be called by every rank of ``group``; p2p (``kind='p2p'``) by both ranks of pairs 2i, 2i+1 of the world.
+    ``start``: the group whose barrier starts each sample (default ``group``'s own; groups measured in step share one).
     """
     sync = _sync_fn(device)
     g = group_size
@@ -197,7 +191,7 @@ def time_collective(
     samples = []
     for _ in range(repeats):
         if kind != "p2p":
-            dist.barrier(group=group)
+            dist.barrier(group=group if start == "group" else start)
         t0 = time.perf_counter()
         fn()
         sync()
@@ -328,27 +322,32 @@ def _measure_links(opts: ProfileOptions, device: torch.device, rank: int, prog: 
     tables: dict[str, list[dict[str, Any]]] = {k: [] for k in (*_COLL, "p2p")}
     raw: dict[str, dict[int, list[float]]] = {k: {} for k in (*_COLL, "p2p")}
     for g in _group_sizes(opts.ranks):
-        # every disjoint block of g ranks measures at once, as a training step's groups communicate at once (the
-        # dp groups of a tp x dp mesh; on CPU ranks sharing cores, each block's collectives also wait for the cores
-        # the others hold); ranks past the last whole block sit it out
+        # each disjoint block of g ranks: block 0 alone (the others wait), then all blocks in step, each sample started
+        # at one barrier of them all, as a stage's tp ranks' dp groups communicate at once (ranks sharing cores wait for
+        # the cores the others hold: on 4 CPU ranks on 2 cores a pair's all-reduce of 64 KiB-1 MiB took 0.4-0.9 ms
+        # alone, 2.2-4.9 in step).  Two points, ``groups`` 1 and ``blocks``; ranks past the last whole block sit out
         blocks = opts.ranks // g
         groups = [dist.new_group(list(range(b * g, (b + 1) * g))) for b in range(blocks)] if g < opts.ranks else [None]
+        everyone = None if blocks * g == opts.ranks else dist.new_group(list(range(blocks * g)))
         measures = rank // g < blocks
         group = groups[rank // g] if measures else None
         for kind in _COLL:
-            ts = []
-            for s in sizes:
-                if measures:
-                    r = reps if s <= 4 * KIB * KIB else max(3, reps // 2)
-                    t = time_collective(kind, s, group, g, device, r, opts.warmup)
-                    if rank < g:
-                        ts.append(t)
-                _step(prog, f"{kind} g={g} {s // KIB} KiB")
-            raw[kind][g] = ts
-            if rank == 0:
-                alpha, beta = fit_alpha_beta(sizes, ts)
-                busbw = busbw_from_beta(beta, collective_factor(kind, g))
-                tables[kind].append({"group_size": g, "alpha_s": alpha, "busbw": busbw, "source": src})
+            for n in (1, blocks) if blocks > 1 else (1,):
+                ts, start = [], everyone if n > 1 else "group"
+                for s in sizes:
+                    if rank // g < n:
+                        r = reps if s <= 4 * KIB * KIB else max(3, reps // 2)
+                        t = time_collective(kind, s, group, g, device, r, opts.warmup, start=start)
+                        ts += [t] if rank < g else []
+                    _step(prog if n == 1 else None, f"{kind} g={g} {s // KIB} KiB, {n} group(s) in step")
+                raw[kind].setdefault(g, ts)  # block 0 alone
+                if rank == 0:
+                    alpha, beta = fit_alpha_beta(sizes, ts)
+                    busbw = busbw_from_beta(beta, collective_factor(kind, g))
+                    tables[kind].append({"group_size": g, "alpha_s": alpha, "busbw": busbw, "source": src,
+                                         **({"groups": n} if n > 1 else {})})
+                if blocks > 1 and measures:  # block 0's pass ends before the others start theirs
+                    dist.barrier(group=everyone)
         dist.barrier()
     ts = []
     for s in sizes:  # every pair at once (a world of odd size leaves its last rank out); rank 0's time is kept

@@ -107,6 +107,8 @@ class AlphaBeta:
     """Bus bandwidth in bytes/s, NCCL-tests convention (see module docstring)."""
     source: str = ""
     """Where the numbers come from (datasheet, public measurement, or 'measured by autopar profile')."""
+    groups: int = 1
+    """Disjoint groups of this size run in step when measured (a point beside the size's ``groups: 1`` one)."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -258,23 +260,21 @@ def _dtype(k: Any, path: str, extra: tuple[str, ...] = ()) -> str:
 
 def _alpha_beta(v: Any, path: str, level: str, kind: str) -> AlphaBeta:
     d = _mapping(v, path)
-    _keys(d, path, {"group_size", "alpha_s", "busbw"}, {"source"})
+    _keys(d, path, {"group_size", "alpha_s", "busbw"}, {"source", "groups"})
     gs = _int(d["group_size"], _join(path, "group_size"), minimum=2 if level == "intra_node" or kind == "p2p" else 1)
-    return AlphaBeta(
-        group_size=gs,
-        alpha_s=_num(d["alpha_s"], _join(path, "alpha_s"), allow_zero=True),
-        busbw=_num(d["busbw"], _join(path, "busbw")),
-        source=_str(d.get("source", ""), _join(path, "source")),
-    )
+    groups = _int(d.get("groups", 1), _join(path, "groups"), minimum=1)
+    src = _str(d.get("source", ""), _join(path, "source"))
+    return AlphaBeta(group_size=gs, alpha_s=_num(d["alpha_s"], _join(path, "alpha_s"), allow_zero=True),
+                     busbw=_num(d["busbw"], _join(path, "busbw")), source=src, groups=groups)
 
 
 def _table(v: Any, path: str, level: str, kind: str) -> tuple[AlphaBeta, ...]:
     if not isinstance(v, list) or not v:
         raise _fail(path, f"expected a non-empty list of {{group_size, alpha_s, busbw}}, got {v!r}")
     pts = tuple(_alpha_beta(x, f"{path}[{i}]", level, kind) for i, x in enumerate(v))
-    sizes = [p.group_size for p in pts]
-    if sizes != sorted(set(sizes)):
-        raise _fail(path, f"group_size must be strictly increasing, got {sizes}")
+    keys = [(p.group_size, p.groups) for p in pts]
+    if keys != sorted(set(keys)) or any(g > 1 and (n, 1) not in keys for n, g in keys):
+        raise _fail(path, f"(group_size, groups) must increase strictly, with a groups-1 point per size; got {keys}")
     return pts
 
 
@@ -411,7 +411,7 @@ def _ab_dict(p: AlphaBeta) -> dict[str, Any]:
     out: dict[str, Any] = {"group_size": p.group_size, "alpha_s": p.alpha_s, "busbw": p.busbw}
     if p.source:
         out["source"] = p.source
-    return out
+    return out | ({"groups": p.groups} if p.groups > 1 else {})
 
 
 def profile_to_dict(profile: ClusterProfile) -> dict[str, Any]:

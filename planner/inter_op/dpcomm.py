@@ -133,7 +133,8 @@ def dp_comm(cost: CostModel, *, params: float, units: int, fwd_s: float, bwd_s: 
     ``params``: parameter elements the rank holds before dp sharding; ``units``: its FSDP units (layer groups);
     ``fwd_s``/``bwd_s``: its compute per micro-batch (backward including recomputation); ``param_item``/
     ``reduce_item``: bytes per element gathered (compute dtype) and reduced (reduce dtype).  ``coll``: a memoized
-    ``(kind, nbytes) -> s`` on the dp group (default: ``cost.collective_time`` on ``cost.span(dp, tp)``).
+    ``(kind, nbytes) -> s`` on the dp group (default: ``cost.collective_time`` on ``cost.span(dp, tp, stage=dp * tp)``:
+    the stage's tp ranks' dp groups communicate at once).
     ``per_unit``: collectives issued per unit and direction (1 for FSDP2's coalesced unit; the unit's parameter
     tensors for per-tensor implementations: each pays its own latency, the bytes are the same);
     ``recompute_regather``: ZeRO 3 gathers once more for the recomputed forward (implementations that release
@@ -145,7 +146,7 @@ def dp_comm(cost: CostModel, *, params: float, units: int, fwd_s: float, bwd_s: 
     if units < 1 or num_microbatches < 1:
         raise ValueError(f"units and num_microbatches must be >= 1, got {units}, {num_microbatches}")
     if coll is None:
-        span = cost.span(dp, tp)
+        span = cost.span(dp, tp, stage=dp * tp)
 
         def coll(kind: str, nbytes: float) -> float:
             return cost.collective_time(kind, nbytes, span=span)

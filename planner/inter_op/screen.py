@@ -300,7 +300,7 @@ class ScreenMemo:
         key = (kind, nbytes, dp, tp)
         t = self._coll.get(key)
         if t is None:
-            t = self._coll[key] = cost.collective_time(kind, nbytes, span=cost.span(dp, tp))
+            t = self._coll[key] = cost.collective_time(kind, nbytes, span=cost.span(dp, tp, stage=dp * tp))
         return t
 
     def collectives(self, cost: CostModel, dp: int, tp: int) -> Callable[[str, float], float]:

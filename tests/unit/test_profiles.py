@@ -31,7 +31,7 @@ from autopar.profiles import (
     save_profile,
     with_nodes,
 )
-from autopar.profiles.cost import interp_alpha_beta
+from autopar.profiles.cost import in_step, interp_alpha_beta
 from autopar.profiles.fit import fit_alpha_beta
 
 
@@ -336,3 +336,87 @@ def test_exit_without_finalization_flushes_and_keeps_the_exit_code() -> None:
     assert r.returncode == 3
     assert r.stdout == "step 0 saved\n"
     assert r.stderr == "err"
+
+
+def _with_in_step_points(prof: ClusterProfile, groups: int, alpha: float, bw: float) -> ClusterProfile:
+    """``prof`` whose intra-node tables add, at every group size, a point measured with ``groups`` groups in step."""
+    link = prof.links["intra_node"]
+
+    def tab(kind: str) -> tuple[AlphaBeta, ...]:
+        pts = link.table(kind)
+        if kind == "p2p":
+            return pts
+        extra = [AlphaBeta(group_size=p.group_size, alpha_s=alpha, busbw=bw, groups=groups) for p in pts]
+        return tuple(sorted([*pts, *extra], key=lambda p: (p.group_size, p.groups)))
+
+    links = {**prof.links, "intra_node": LinkProfile(level="intra_node", **{k: tab(k) for k in COLLECTIVES})}
+    return dataclasses.replace(prof, links=links)  # type: ignore[arg-type]
+
+
+def test_points_measured_in_step_round_trip_and_validate() -> None:
+    prof = _with_in_step_points(synthetic(nodes=1, dpn=4), 2, 2e-3, 1e9)
+    again = loads_profile(dump_profile(prof))
+    assert again.links["intra_node"].table("all_reduce") == prof.links["intra_node"].table("all_reduce")
+    assert [p.groups for p in again.links["intra_node"].table("all_reduce")] == [1, 2, 1, 2]
+    assert "groups" not in profile_to_dict(synthetic())["links"]["intra_node"]["all_reduce"][0]
+    d = profile_to_dict(prof)
+    d["links"]["intra_node"]["all_reduce"].pop(0)  # size 2 left with its in-step point only
+    with pytest.raises(ProfileError, match="groups-1 point per size"):
+        loads_profile(yaml.safe_dump(d))
+
+
+def test_in_step_moves_toward_the_point_with_most_groups() -> None:
+    pts = (AlphaBeta(group_size=2, alpha_s=1e-3, busbw=4e9), AlphaBeta(group_size=2, alpha_s=4e-3, busbw=1e9, groups=4),
+           AlphaBeta(group_size=4, alpha_s=2e-3, busbw=2e9))
+    assert in_step(pts, 1) == (pts[0], pts[2])
+    assert interp_alpha_beta(pts, 2, 4) == pytest.approx((4e-3, 1e9))
+    assert interp_alpha_beta(pts, 2, 8) == pytest.approx((4e-3, 1e9))  # capped at what was measured
+    assert interp_alpha_beta(pts, 2, 2) == pytest.approx((2e-3, 3e9))  # a third of the way from 1 group to 4
+    assert interp_alpha_beta(pts, 4, 4) == pytest.approx((2e-3, 2e9))  # no in-step point at 4: as alone
+
+
+def test_dp_groups_of_a_stage_are_charged_in_step() -> None:
+    """On 4 ranks a dp=2 x tp=2 stage's two dp groups all-reduce at once (the in-step point); pp=2 x dp=2's stage
+    holds one dp group (alone); 8 GPUs a node with dp=4 x tp=2: two dp groups of 4 per node."""
+    prof = _with_in_step_points(synthetic(nodes=1, dpn=4), 2, 3e-3, 1e9)
+    cost = CostModel(prof)
+    assert cost.span(2, 2, stage=4) == GroupSpan(devices_per_node=2, nodes=1, groups=2)
+    assert cost.span(2, 1, stage=2).groups == 1 and cost.span(2, 2).groups == 1
+    alone, at_once = (cost.collective_time("all_reduce", 2**20, span=cost.span(2, stride, stage=stage))
+                      for stride, stage in ((1, 2), (2, 4)))
+    assert alone == pytest.approx(1e-5 + 2**20 / 100e9) and at_once == pytest.approx(3e-3 + 2**20 / 1e9)
+    assert CostModel(synthetic(nodes=2)).span(4, 2, stage=8).groups == 2
+    assert CostModel(synthetic(nodes=2)).span(16, 8, stage=128).groups == 8  # one per node: inter-node, no table
+
+
+@pytest.mark.parametrize("ranks, passes", [(4, {2: ["group", "world"], 4: ["group"]}),
+                                           (3, {2: ["group"], 3: ["group"]}),
+                                           (5, {2: ["group", "sub"], 4: ["group"], 5: ["group"]})])
+def test_link_blocks_measure_alone_then_in_step(fake_world, monkeypatch: pytest.MonkeyPatch, ranks: int,
+                                                passes: dict[int, list[str]]) -> None:
+    """A group size with several disjoint blocks is measured twice: block 0 alone (its own barrier starts each
+    sample), then every whole block in step (one barrier of them all: the world, or the ranks before the left-over
+    ones), stored as a ``groups: 1`` and a ``groups: blocks`` point."""
+    import torch
+    import torch.distributed as dist
+
+    from autopar.profiles import profiler
+
+    fake_world(ranks)
+    seen: dict[int, list[str]] = {}
+
+    def record(kind, nbytes, group, group_size, device, repeats, warmup, start="group"):  # noqa: ANN001, ANN202
+        tag = "group" if start == "group" else "world" if start is None else "sub"
+        if tag == "sub":
+            assert dist.get_process_group_ranks(start) == list(range(ranks // group_size * group_size))
+        if kind == "all_reduce" and nbytes == 1024:
+            seen.setdefault(group_size, []).append(tag)
+        return (1e-4 if tag == "group" else 1e-3) + nbytes / 1e9
+
+    monkeypatch.setattr(profiler, "time_collective", record)
+    opts = profiler.ProfileOptions(ranks=ranks, quick=True, message_sizes=(1024, 65536), progress=False)
+    tables = profiler._measure_links(opts, torch.device("cpu"), 0, None)["tables"]
+    assert seen == passes
+    got = [(e["group_size"], e.get("groups", 1), round(e["alpha_s"], 6)) for e in tables["all_reduce"]]
+    assert got == [(g, n, 1e-4 if n == 1 else 1e-3) for g, tags in passes.items()
+                   for n in ([1, ranks // g] if len(tags) > 1 else [1])]
