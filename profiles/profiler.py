@@ -151,12 +151,12 @@ def exit_without_finalization(code: int = 0) -> NoReturn:
 
 def time_collective(
     kind: str, nbytes: int, group: Any, group_size: int, device: torch.device, repeats: int, warmup: int,
-    start: Any = "group",
+    start: Any = None,
 ) -> float:
     """Median over repeats of the slowest rank's time for one collective of ``nbytes`` (schema size convention).
 
     Must be called by every rank of ``group``; p2p (``kind='p2p'``) by both ranks of pairs 2i, 2i+1 of the world.
-    ``start``: the group whose barrier starts each sample (default ``group``'s own; groups measured in step share one).
+    ``start``: the group whose barrier starts each sample (None: ``group``'s own; groups measured in step share one).
     """
     sync = _sync_fn(device)
     g = group_size
@@ -191,7 +191,7 @@ def time_collective(
     samples = []
     for _ in range(repeats):
         if kind != "p2p":
-            dist.barrier(group=group if start == "group" else start)
+            dist.barrier(group=group if start is None else start)
         t0 = time.perf_counter()
         fn()
         sync()
@@ -328,18 +328,18 @@ def _measure_links(opts: ProfileOptions, device: torch.device, rank: int, prog: 
         # alone, 2.2-4.9 in step).  Two points, ``groups`` 1 and ``blocks``; ranks past the last whole block sit out
         blocks = opts.ranks // g
         groups = [dist.new_group(list(range(b * g, (b + 1) * g))) for b in range(blocks)] if g < opts.ranks else [None]
-        everyone = None if blocks * g == opts.ranks else dist.new_group(list(range(blocks * g)))
+        everyone = dist.group.WORLD if blocks * g == opts.ranks else dist.new_group(list(range(blocks * g)))
         measures = rank // g < blocks
         group = groups[rank // g] if measures else None
         for kind in _COLL:
             for n in (1, blocks) if blocks > 1 else (1,):
-                ts, start = [], everyone if n > 1 else "group"
+                ts, start = [], everyone if n > 1 else None
                 for s in sizes:
                     if rank // g < n:
                         r = reps if s <= 4 * KIB * KIB else max(3, reps // 2)
                         t = time_collective(kind, s, group, g, device, r, opts.warmup, start=start)
                         ts += [t] if rank < g else []
-                    _step(prog if n == 1 else None, f"{kind} g={g} {s // KIB} KiB, {n} group(s) in step")
+                    _step(prog if n == 1 else None, f"{kind} g={g} {s // KIB} KiB" + f" x{n} in step" * (n > 1))
                 raw[kind].setdefault(g, ts)  # block 0 alone
                 if rank == 0:
                     alpha, beta = fit_alpha_beta(sizes, ts)

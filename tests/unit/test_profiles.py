@@ -405,8 +405,8 @@ def test_link_blocks_measure_alone_then_in_step(fake_world, monkeypatch: pytest.
     fake_world(ranks)
     seen: dict[int, list[str]] = {}
 
-    def record(kind, nbytes, group, group_size, device, repeats, warmup, start="group"):  # noqa: ANN001, ANN202
-        tag = "group" if start == "group" else "world" if start is None else "sub"
+    def record(kind, nbytes, group, group_size, device, repeats, warmup, start=None):  # noqa: ANN001, ANN202
+        tag = "group" if start is None else "world" if start is dist.group.WORLD else "sub"
         if tag == "sub":
             assert dist.get_process_group_ranks(start) == list(range(ranks // group_size * group_size))
         if kind == "all_reduce" and nbytes == 1024:
