@@ -156,8 +156,8 @@ def time_collective(
     """Median over repeats of the slowest rank's time for one collective of ``nbytes`` (schema size convention).
 
     Must be called by every rank of ``group``; p2p (``kind='p2p'``) by both ranks of pairs 2i, 2i+1 of the world.
-    ``start``: the group whose barrier starts each sample (None: ``group``'s own; groups measured in step share one).
-    """
+    ``start``: the group whose barrier starts each sample and whose slowest rank counts (None: ``group``'s own;
+    groups measured in step share one: a step waits for the slowest of them)."""
     sync = _sync_fn(device)
     g = group_size
     numel = max(g, (nbytes // 4) // g * g)
@@ -198,7 +198,7 @@ def time_collective(
         samples.append(time.perf_counter() - t0)
     ts = torch.tensor(samples, dtype=torch.float64, device=device)
     if kind != "p2p":
-        dist.all_reduce(ts, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(ts, op=dist.ReduceOp.MAX, group=group if start is None else start)
     med = statistics.median(ts.tolist())
     return med / 2 if kind == "p2p" else med
 

@@ -420,3 +420,28 @@ def test_link_blocks_measure_alone_then_in_step(fake_world, monkeypatch: pytest.
     got = [(e["group_size"], e.get("groups", 1), round(e["alpha_s"], 6)) for e in tables["all_reduce"]]
     assert got == [(g, n, 1e-4 if n == 1 else 1e-3) for g, tags in passes.items()
                    for n in ([1, ranks // g] if len(tags) > 1 else [1])]
+
+
+def test_in_step_samples_count_the_slowest_rank_of_every_group(fake_world, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Groups measured in step keep the slowest rank of them all (a step waits for the slowest group); a group
+    measured alone, its own slowest rank."""
+    import torch
+    import torch.distributed as dist
+
+    from autopar.profiles.profiler import time_collective
+
+    fake_world(4)
+    pair = dist.new_group([0, 1])
+    reduced: list[object] = []
+    real = dist.all_reduce
+
+    def spy(t, op=dist.ReduceOp.SUM, group=None, async_op=False):  # noqa: ANN001, ANN202
+        if t.dtype == torch.float64:  # the samples' reduction; the timed collective is float32
+            reduced.append(group)
+        return real(t, op=op, group=group, async_op=async_op)
+
+    monkeypatch.setattr(dist, "all_reduce", spy)
+    cpu = torch.device("cpu")
+    time_collective("all_reduce", 4096, pair, 2, cpu, 2, 1)
+    time_collective("all_reduce", 4096, pair, 2, cpu, 2, 1, start=dist.group.WORLD)
+    assert reduced == [pair, dist.group.WORLD]
