@@ -385,7 +385,8 @@ class CostModel:
         """:func:`group_span` with this profile's devices per node; with ``stage`` (the ranks of the pipeline stage
         whose groups of this shape run the collective at once, laid out contiguously), as many ``groups`` as fit a
         node's share of it."""
-        span, dpn = group_span(group_size, stride, self.profile.devices_per_node), self.profile.devices_per_node
+        dpn = self.profile.devices_per_node
+        span = group_span(group_size, stride, dpn)
         return span if not stage else replace(span, groups=max(1, min(dpn, stage) // span.devices_per_node))
 
     def _level(self, level: str) -> LinkProfile:

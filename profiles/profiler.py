@@ -158,7 +158,7 @@ def time_collective(
     Must be called by every rank of ``group``; p2p (``kind='p2p'``) by both ranks of pairs 2i, 2i+1 of the world.
     ``start``: the group whose barrier starts each sample and whose slowest rank counts (None: ``group``'s own;
     groups measured in step share one: a step waits for the slowest of them)."""
-    sync = _sync_fn(device)
+    sync, step_group = _sync_fn(device), group if start is None else start
     g = group_size
     numel = max(g, (nbytes // 4) // g * g)
     if kind == "all_reduce":
@@ -191,14 +191,14 @@ def time_collective(
     samples = []
     for _ in range(repeats):
         if kind != "p2p":
-            dist.barrier(group=group if start is None else start)
+            dist.barrier(group=step_group)
         t0 = time.perf_counter()
         fn()
         sync()
         samples.append(time.perf_counter() - t0)
     ts = torch.tensor(samples, dtype=torch.float64, device=device)
     if kind != "p2p":
-        dist.all_reduce(ts, op=dist.ReduceOp.MAX, group=group if start is None else start)
+        dist.all_reduce(ts, op=dist.ReduceOp.MAX, group=step_group)
     med = statistics.median(ts.tolist())
     return med / 2 if kind == "p2p" else med
 

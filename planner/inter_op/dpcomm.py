@@ -68,12 +68,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from autopar.profiles.cost import CostModel
+from autopar.profiles.cost import CostModel, GroupSpan
 
-__all__ = ["DpComm", "bucket_host_s", "dp_comm", "overlap_step"]
+__all__ = ["DpComm", "bucket_host_s", "dp_comm", "dp_span", "overlap_step"]
 
 Collective = Callable[[str, float], float]
 """``(kind, nbytes) -> seconds`` on the rank's data-parallel group."""
+
+
+def dp_span(cost: CostModel, dp: int, tp: int) -> GroupSpan:
+    """A stage's data-parallel group (ranks ``tp`` apart), with its tp ranks' dp groups communicating at once."""
+    return cost.span(dp, tp, stage=dp * tp)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,8 +138,7 @@ def dp_comm(cost: CostModel, *, params: float, units: int, fwd_s: float, bwd_s: 
     ``params``: parameter elements the rank holds before dp sharding; ``units``: its FSDP units (layer groups);
     ``fwd_s``/``bwd_s``: its compute per micro-batch (backward including recomputation); ``param_item``/
     ``reduce_item``: bytes per element gathered (compute dtype) and reduced (reduce dtype).  ``coll``: a memoized
-    ``(kind, nbytes) -> s`` on the dp group (default: ``cost.collective_time`` on ``cost.span(dp, tp, stage=dp * tp)``:
-    the stage's tp ranks' dp groups communicate at once).
+    ``(kind, nbytes) -> s`` on the dp group (default: ``cost.collective_time`` on :func:`dp_span`).
     ``per_unit``: collectives issued per unit and direction (1 for FSDP2's coalesced unit; the unit's parameter
     tensors for per-tensor implementations: each pays its own latency, the bytes are the same);
     ``recompute_regather``: ZeRO 3 gathers once more for the recomputed forward (implementations that release
@@ -146,7 +150,7 @@ def dp_comm(cost: CostModel, *, params: float, units: int, fwd_s: float, bwd_s: 
     if units < 1 or num_microbatches < 1:
         raise ValueError(f"units and num_microbatches must be >= 1, got {units}, {num_microbatches}")
     if coll is None:
-        span = cost.span(dp, tp, stage=dp * tp)
+        span = dp_span(cost, dp, tp)
 
         def coll(kind: str, nbytes: float) -> float:
             return cost.collective_time(kind, nbytes, span=span)

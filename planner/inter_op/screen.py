@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from autopar.ir.graph import DTYPE_BYTES, Graph, LayerGroup
-from autopar.planner.inter_op.dpcomm import DpComm, dp_comm
+from autopar.planner.inter_op.dpcomm import DpComm, dp_comm, dp_span
 from autopar.planner.inter_op.memory import GiB, MemoryReserve, in_flight_microbatches, memory_breakdown
 from autopar.planner.inter_op.partition import minmax_partition, rank_chunks
 from autopar.planner.intra_op.solve import GroupSolution
@@ -300,7 +300,7 @@ class ScreenMemo:
         key = (kind, nbytes, dp, tp)
         t = self._coll.get(key)
         if t is None:
-            t = self._coll[key] = cost.collective_time(kind, nbytes, span=cost.span(dp, tp, stage=dp * tp))
+            t = self._coll[key] = cost.collective_time(kind, nbytes, span=dp_span(cost, dp, tp))
         return t
 
     def collectives(self, cost: CostModel, dp: int, tp: int) -> Callable[[str, float], float]:
